@@ -1,0 +1,93 @@
+"""Paged attention plugged into transformers' model code through its attention interface.
+
+The runner flattens a step into one row of tokens `[1, T]`: first one decode token per running
+sequence, then each prefill chunk. transformers runs the projections, RoPE and MLPs on the whole
+row (that is the batching win); per layer it calls `paged_attention`, which writes the new K/V
+into the pool and attends each sequence to its own cached context only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+IMPLEMENTATION = "crowdchat_paged"
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prefill tokens `[start, end)` of the flat row."""
+
+    start: int
+    end: int
+    context_slots: torch.Tensor | None  # [L] cached + new slots; None: no cached prefix
+    mask: torch.Tensor | None  # [n, L] bool, causal with the cached prefix
+
+
+@dataclass
+class StepMetadata:
+    """What every layer's attention needs for one step, built once by the runner."""
+
+    k_cache: list[torch.Tensor]  # per layer [slots, H_kv, D]
+    v_cache: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
+    num_decodes: int
+    decode_slots: torch.Tensor | None  # [B, Lmax] context slots, padded
+    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] bool, True = attend
+    prefills: list[PrefillChunk]
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, H_kv, T, D]
+    value: torch.Tensor,  # [1, H_kv, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    crowdchat: StepMetadata | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Write this step's K/V into the pool, then attend per sequence. Returns `[1, T, H, D]`."""
+    meta = crowdchat
+    assert meta is not None, "paged attention runs only inside the engine's model runner"
+    layer = module.layer_idx
+    kc, vc = meta.k_cache[layer], meta.v_cache[layer]
+    kc.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))  # [T, H_kv, D]
+    vc.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    _, h, t, d = query.shape
+    out = query.new_empty(t, h, d)
+    b = meta.num_decodes
+    if b:
+        q = query[0, :, :b].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
+        k = kc[meta.decode_slots].transpose(1, 2)  # [B, H_kv, Lmax, D]
+        v = vc[meta.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling,
+                                           enable_gqa=True)  # [B, H, 1, D]
+        out[:b] = o[:, :, 0]
+    for c in meta.prefills:
+        q = query[:, :, c.start:c.end]  # [1, H, n, D]
+        if c.context_slots is None:
+            k, v = key[:, :, c.start:c.end], value[:, :, c.start:c.end]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                               enable_gqa=True)
+        else:
+            k = kc[c.context_slots].transpose(0, 1).unsqueeze(0)  # [1, H_kv, L, D]
+            v = vc[c.context_slots].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, scale=scaling,
+                                               enable_gqa=True)
+        out[c.start:c.end] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+def _no_mask(*args: object, **kwargs: object) -> None:
+    """The paged attention builds its own masks from the step metadata."""
+    return None
+
+
+AttentionInterface.register(IMPLEMENTATION, paged_attention)
+AttentionMaskInterface.register(IMPLEMENTATION, _no_mask)

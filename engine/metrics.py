@@ -1,0 +1,119 @@
+"""Engine statistics for the admin page: batch, queue, blocks, throughput and latencies."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+WINDOW_S = 10.0  # tokens/s is measured over this trailing window
+SAMPLES = 2048  # latency samples kept for percentiles
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A consistent snapshot of the engine, safe to read from any thread."""
+
+    running: int
+    waiting: int
+    blocks_total: int
+    blocks_used: int
+    blocks_free: int
+    block_size: int
+    resident_owners: int
+    resident_blocks: int
+    kv_bytes: int
+    kv_bytes_per_token: int
+    model_bytes: int
+    max_model_len: int
+    tokens_per_s: float
+    prompt_tokens_total: int
+    generated_tokens_total: int
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    itl_p50_s: float | None
+    itl_p95_s: float | None
+    step_ms_p50: float | None
+    token_budget: int
+    requests_finished: int
+    requests_failed: int
+    requests_rejected: int
+    preemptions: int
+    resident_dropped: int
+    steps: int
+    max_batch_seen: int
+
+
+def _pct(samples: deque[float], q: float) -> float | None:
+    return float(np.percentile(np.fromiter(samples, float), q)) if samples else None
+
+
+class Metrics:
+    """Counters and latency samples, written by the engine thread, read by anyone."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ttft: deque[float] = deque(maxlen=SAMPLES)
+        self.itl: deque[float] = deque(maxlen=SAMPLES)
+        self.step_ms: deque[float] = deque(maxlen=256)
+        self.token_times: deque[tuple[float, int]] = deque()
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.finished = 0
+        self.failed = 0
+        self.rejected = 0
+        self.steps = 0
+        self.max_batch = 0
+
+    def record_step(self, now: float, ms: float, batch: int, new_tokens: int,
+                    prompt_tokens: int) -> None:
+        with self.lock:
+            self.steps += 1
+            self.step_ms.append(ms)
+            self.max_batch = max(self.max_batch, batch)
+            self.generated_tokens += new_tokens
+            self.prompt_tokens += prompt_tokens
+            if new_tokens:
+                self.token_times.append((now, new_tokens))
+            while self.token_times and self.token_times[0][0] < now - WINDOW_S:
+                self.token_times.popleft()
+
+    def tokens_per_s(self, now: float) -> float:
+        recent = [n for t, n in self.token_times if t >= now - WINDOW_S]
+        if not recent:
+            return 0.0
+        span = min(WINDOW_S, max(now - self.token_times[0][0], 1e-3))
+        return sum(recent) / span
+
+
+class StepTimer:
+    """Learns step time as `a + b * tokens` and sizes the token budget for a latency target."""
+
+    def __init__(self, target_ms: float | None, default_budget: int, floor: int) -> None:
+        self.target_ms = target_ms
+        self.default_budget = default_budget
+        self.floor = floor
+        self.samples: deque[tuple[int, float]] = deque(maxlen=128)
+
+    def record(self, tokens: int, ms: float) -> None:
+        self.samples.append((tokens, ms))
+
+    def budget(self) -> int:
+        """Tokens per step that keep a step under the target (the fixed budget without one)."""
+        if self.target_ms is None or len(self.samples) < 8:
+            return self.default_budget
+        n = np.array([s[0] for s in self.samples], float)
+        t = np.array([s[1] for s in self.samples], float)
+        if np.ptp(n) < 1:
+            return self.default_budget
+        b, a = np.polyfit(n, t, 1)
+        if b <= 0:
+            return self.default_budget * 4
+        return int(max(self.floor, min((self.target_ms - a) / b, self.default_budget * 4)))
+
+
+def now() -> float:
+    return time.monotonic()

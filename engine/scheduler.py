@@ -1,0 +1,210 @@
+"""Decides each step's work: who decodes, which prefill chunks run, who is admitted or preempted."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.block_pool import BlockPool
+from engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+MIN_PREFILL_CHUNK = 16  # prefill always progresses, even when decodes fill the token budget
+
+
+@dataclass
+class ResidentKV:
+    """An idle owner's KV kept in the pool after its turn: the token ids it covers and blocks."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class StepPlan:
+    """One step's work: decodes (one token each) first, then prefill chunks."""
+
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Scheduler:
+    """Owns the `waiting` and `running` queues and the idle owners' resident KV.
+
+    Admission is first-come-first-served and only when a request's prompt blocks fit. When the
+    pool is short it first calls the memory-pressure hook (the session layer persists idle
+    sessions there), then drops the least recently used resident KV, then preempts the
+    youngest running sequence.
+    """
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_num_seqs: int,
+        memory_pressure: Callable[[int], None] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.memory_pressure = memory_pressure
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.resident: OrderedDict[str, ResidentKV] = OrderedDict()  # LRU first
+        self.num_preemptions = 0
+        self.num_resident_dropped = 0
+
+    # -- queues -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request (the engine enforces the queue cap before it gets here)."""
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and release or retain its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        if seq.retain and seq.owner is not None and seq.block_table and seq.num_computed:
+            self.drop_resident(seq.owner)
+            keep = self.pool.blocks_for(seq.num_computed)
+            self.pool.free(seq.block_table[keep:])
+            self.resident[seq.owner] = ResidentKV(seq.token_ids[: seq.num_computed],
+                                                  seq.block_table[:keep])
+        else:
+            self.pool.free(seq.block_table)
+        seq.block_table = []
+
+    # -- resident KV --------------------------------------------------------------------
+    def drop_resident(self, owner: str) -> bool:
+        entry = self.resident.pop(owner, None)
+        if entry is None:
+            return False
+        self.pool.free(entry.block_table)
+        return True
+
+    def put_resident(self, owner: str, entry: ResidentKV) -> None:
+        self.drop_resident(owner)
+        self.resident[owner] = entry
+
+    def _reclaim(self, needed: int, keep_owner: str | None = None) -> bool:
+        """Try to make `needed` blocks free without touching running sequences."""
+        if self.pool.can_allocate(needed):
+            return True
+        if self.memory_pressure is not None and self.resident:
+            try:
+                self.memory_pressure(needed - self.pool.num_free)
+            except Exception:  # the hook is the session layer's; a bug there must not stop us
+                log.exception("memory-pressure hook failed")
+        for owner in list(self.resident):
+            if self.pool.can_allocate(needed):
+                break
+            if owner != keep_owner:
+                self.drop_resident(owner)
+                self.num_resident_dropped += 1
+        return self.pool.can_allocate(needed)
+
+    # -- planning -----------------------------------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and requeue it at the front to recompute later."""
+        self.running.remove(seq)
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _grow_running(self, plan: StepPlan) -> None:
+        """Give every running sequence the blocks its next tokens need, preempting if short."""
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted while making room for an older one
+            need = self.pool.blocks_for(seq.num_tokens) - len(seq.block_table)
+            while need > 0 and not self._reclaim(need):
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING and need > 0:
+                seq.block_table += self.pool.allocate(need)
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Move the head of `waiting` to `running` if its blocks fit, reusing its owner's KV."""
+        entry = self.resident.get(seq.owner) if seq.owner is not None else None
+        reuse = 0
+        if entry is not None:
+            reuse = min(common_prefix(entry.token_ids, seq.token_ids), seq.num_tokens - 1)
+        keep = self.pool.blocks_for(reuse)
+        need = self.pool.blocks_for(seq.num_tokens) - keep
+        if not self._reclaim(need, keep_owner=seq.owner):
+            return False
+        entry = self.resident.pop(seq.owner, None) if seq.owner is not None else None
+        if entry is not None:
+            self.pool.free(entry.block_table[keep:])
+            seq.block_table = entry.block_table[:keep]
+            seq.num_computed = reuse
+        seq.block_table += self.pool.allocate(need)
+        seq.status = SequenceStatus.RUNNING
+        self.waiting.popleft()
+        self.running.append(seq)
+        return True
+
+    def schedule(self, token_budget: int) -> StepPlan:
+        """Plan one step under `token_budget` tokens (decodes always run)."""
+        plan = StepPlan()
+        self._grow_running(plan)
+        for seq in self.running:
+            if seq.num_uncomputed == 1:
+                plan.decodes.append(seq)
+        budget = max(token_budget - len(plan.decodes), MIN_PREFILL_CHUNK)
+        for seq in self.running:
+            if seq.num_uncomputed > 1 and budget > 0:
+                n = min(seq.num_uncomputed, budget)
+                plan.prefills.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            n = min(seq.num_uncomputed, budget)
+            if n == 1:
+                plan.decodes.append(seq)  # a fully cached prompt needs only its last token
+            else:
+                plan.prefills.append((seq, n))
+            budget -= n
+        return plan
+
+    def check_integrity(self) -> None:
+        """Every used block is held by exactly one running sequence or resident entry."""
+        self.pool.check_integrity()
+        held = [b for s in self.running for b in s.block_table]
+        held += [b for e in self.resident.values() for b in e.block_table]
+        assert len(held) == len(set(held)) == self.pool.num_used, (len(held), self.pool.num_used)
+        assert not any(s.block_table for s in self.waiting)

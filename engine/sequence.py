@@ -1,0 +1,114 @@
+"""A request inside the engine: its tokens, its blocks, its sampling parameters."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequest
+
+MAX_STOP_STRINGS = 8
+MAX_STOP_LEN = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop. Temperature 0 is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise InvalidRequest(msg)
+
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                 f"{name} must be a number, got {v!r}")
+        for name in ("top_k", "max_new_tokens", "min_new_tokens"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool), f"{name} must be an integer")
+        need(0 <= self.temperature <= 2, f"temperature must be in [0, 2], got {self.temperature}")
+        need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        need(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+        need(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        need(0 <= self.min_new_tokens <= self.max_new_tokens,
+             "min_new_tokens must be in [0, max_new_tokens]")
+        need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+             "seed must be an integer")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        need(len(stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
+        need(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in stop),
+             f"stop strings must be non-empty strings of at most {MAX_STOP_LEN} characters")
+        object.__setattr__(self, "stop", stop)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids (prompt + generated), the KV blocks that hold them, and progress.
+
+    `num_computed` tokens have their KV in the pool; a step computes the next ones. The last
+    generated token is always uncomputed until the next step feeds it back in.
+    """
+
+    token_ids: list[int]
+    params: SamplingParams
+    owner: str | None = None
+    retain: bool = False
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    num_prompt_tokens: int = 0
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    cancelled: bool = False
+    num_preemptions: int = 0
+    rng: object = None  # torch.Generator for sampled requests, made by the runner
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
