@@ -37,7 +37,7 @@ class StepMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     num_decodes: int
     decode_slots: torch.Tensor | None  # [B, Lmax] context slots, padded
-    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax] bool, True = attend
+    decode_pad: torch.Tensor | None  # [B, 1, 1, Lmax] bool, True = padding (masked out)
     prefills: list[PrefillChunk]
 
 
@@ -63,12 +63,8 @@ def paged_attention(
     out = query.new_empty(t, h, d)
     b = meta.num_decodes
     if b:
-        q = query[0, :, :b].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-        k = kc[meta.decode_slots].transpose(1, 2)  # [B, H_kv, Lmax, D]
-        v = vc[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling,
-                                           enable_gqa=True)  # [B, H, 1, D]
-        out[:b] = o[:, :, 0]
+        out[:b] = _decode_attention(query[0, :, :b], kc[meta.decode_slots],
+                                    vc[meta.decode_slots], meta.decode_pad, scaling)
     for c in meta.prefills:
         q = query[:, :, c.start:c.end]  # [1, H, n, D]
         if c.context_slots is None:
@@ -82,6 +78,27 @@ def paged_attention(
                                                enable_gqa=True)
         out[c.start:c.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _decode_attention(
+    query: torch.Tensor,  # [H, B, D]
+    k: torch.Tensor,  # [B, Lmax, H_kv, D]
+    v: torch.Tensor,  # [B, Lmax, H_kv, D]
+    pad: torch.Tensor,  # [B, 1, 1, Lmax]
+    scaling: float | None,
+) -> torch.Tensor:
+    """One query token per sequence against its padded context.  # [B, H, D]
+
+    Two small batched matmuls, query heads grouped by their KV head: on CPU this is several
+    times faster than SDPA's flash kernel for one-token queries, and never expands K/V.
+    """
+    h, b, d = query.shape
+    hkv = k.shape[2]
+    q = query.transpose(0, 1).reshape(b, hkv, h // hkv, d)  # [B, H_kv, G, D]
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1))  # [B, H_kv, G, Lmax]
+    scores = (scores.float() * (scaling or d**-0.5)).masked_fill_(pad, float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v.transpose(1, 2)).reshape(b, h, d)  # [B, H_kv, G, D] -> [B, H, D]
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:

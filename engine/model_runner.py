@@ -33,7 +33,7 @@ class ModelRunner:
         pos: list[int] = []
         slot_parts: list[torch.Tensor] = []
         logit_rows: list[int] = []
-        decode_slots = decode_mask = None
+        decode_slots = decode_pad = None
         if plan.decodes:
             lens = [s.num_computed + 1 for s in plan.decodes]
             lmax = max(lens)
@@ -47,7 +47,7 @@ class ModelRunner:
             length = torch.tensor(lens)
             valid = torch.arange(lmax)[None, :] < length[:, None]  # [B, Lmax]
             decode_slots = torch.where(valid, all_slots, 0).to(dev)
-            decode_mask = valid[:, None, None, :].to(dev)
+            decode_pad = ~valid[:, None, None, :].to(dev)
             slot_parts.append(all_slots[torch.arange(len(lens)), length - 1])
             for i, s in enumerate(plan.decodes):
                 ids.append(s.token_ids[s.num_computed])
@@ -71,7 +71,7 @@ class ModelRunner:
             k_cache=cache.k, v_cache=cache.v,
             slot_mapping=torch.cat(slot_parts).to(dev),
             num_decodes=len(plan.decodes),
-            decode_slots=decode_slots, decode_mask=decode_mask, prefills=prefills,
+            decode_slots=decode_slots, decode_pad=decode_pad, prefills=prefills,
         )
         return meta, ids, pos, logit_rows
 

@@ -1,0 +1,1 @@
+"""crowdchat sessions: durable chat history in SQLite and KV snapshots on disk."""

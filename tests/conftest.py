@@ -1,0 +1,53 @@
+"""Shared fixtures: a temporary data dir and the real embedded model, loaded once per run."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine import Engine, EngineConfig
+from engine.chat_format import ChatFormatter
+from engine.loader import LoadedModel, load_model
+
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data dir shared by the session's model fixtures (the GGUF is converted once)."""
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def nf4_model(model_dir: Path) -> LoadedModel:
+    """The embedded model in the default mode: nf4 weights, bfloat16 compute."""
+    return load_model(EngineConfig(data_dir=model_dir))
+
+
+@pytest.fixture(scope="session")
+def fp32_model(model_dir: Path) -> LoadedModel:
+    """The embedded model unquantized in float32, where batching must change nothing."""
+    return load_model(EngineConfig(data_dir=model_dir, quant="none", dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def formatter(nf4_model: LoadedModel) -> ChatFormatter:
+    return ChatFormatter(nf4_model.tokenizer)
+
+
+def make_engine(loaded: LoadedModel, tmp: Path, **overrides: object) -> Engine:
+    """An engine over an already loaded model (small pool unless overridden)."""
+    settings: dict[str, object] = {"data_dir": tmp, "kv_budget_mb": 64}
+    settings.update(overrides)
+    return Engine(EngineConfig(**settings), loaded)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def nf4_engine(nf4_model: LoadedModel, tmp_path: Path) -> Iterator[Engine]:
+    engine = make_engine(nf4_model, tmp_path)
+    yield engine
+    engine.check_integrity()
+    engine.shutdown()

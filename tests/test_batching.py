@@ -1,0 +1,108 @@
+"""Invariant 1: batching never changes results (exactly in float32; within tolerance in nf4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine import SamplingParams
+from engine.chat_format import ChatFormatter
+from engine.loader import LoadedModel
+from engine.scheduler import StepPlan
+from engine.sequence import Sequence
+from tests.conftest import make_engine
+
+QUESTIONS = [
+    "Hi",
+    "What is 2+2?",
+    "Write a haiku about the sea and the moon and the stars above the mountains.",
+    "Explain photosynthesis in detail, step by step, for a ten year old who loves plants.",
+    "Name three colors.",
+    "Why is the sky blue? Please answer carefully and mention Rayleigh scattering.",
+    "Tell me a joke about cats.",
+    "List the planets of the solar system in order from the sun, with one fact about each of "
+    "them, and say which one you would most like to visit and why.",
+]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=64)
+
+
+def prompts(formatter: ChatFormatter) -> list[list[int]]:
+    out = [formatter.encode([{"role": "user", "content": q}]) for q in QUESTIONS]
+    assert len({len(p) for p in out}) >= 6, "prompts should differ in length"
+    return out
+
+
+def test_fp32_batched_equals_solo_equals_transformers_generate(
+    fp32_model: LoadedModel, tmp_path: Path
+) -> None:
+    formatter = ChatFormatter(fp32_model.tokenizer)
+    ps = prompts(formatter)
+    engine = make_engine(fp32_model, tmp_path)
+    try:
+        batched = engine.generate(ps, GREEDY)
+        assert engine.stats().max_batch_seen == 8
+        solo = [engine.generate([p], GREEDY)[0] for p in ps]
+    finally:
+        engine.shutdown()
+    assert batched == solo
+    model = fp32_model.model
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            for p, mine in zip(ps, batched):
+                ref = model.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False)
+                assert mine == ref[0, len(p):].tolist()
+    finally:
+        model.set_attn_implementation("crowdchat_paged")
+
+
+def first_step_logits(engine, seqs: list[Sequence]) -> torch.Tensor:
+    """Prefill `seqs` together in one step and return their last-position logits."""
+    plan = StepPlan(prefills=[(s, s.num_tokens) for s in seqs])
+    for s in seqs:
+        s.block_table = engine.pool.allocate(engine.pool.blocks_for(s.num_tokens))
+    try:
+        return engine.runner.forward(plan).float()
+    finally:
+        for s in seqs:
+            engine.pool.free(s.block_table)
+
+
+def decode_logits(engine, seqs: list[Sequence]) -> torch.Tensor:
+    """Prefill each alone, then run one batched decode step of all of them."""
+    for s in seqs:
+        s.block_table = engine.pool.allocate(engine.pool.blocks_for(s.num_tokens + 1))
+        engine.runner.forward(StepPlan(prefills=[(s, s.num_tokens)]))
+        s.num_computed = s.num_tokens
+        s.token_ids.append(28)
+    try:
+        return engine.runner.forward(StepPlan(decodes=seqs)).float()
+    finally:
+        for s in seqs:
+            engine.pool.free(s.block_table)
+
+
+def test_nf4_batched_logits_match_solo_within_tolerance(
+    nf4_model: LoadedModel, formatter: ChatFormatter, tmp_path: Path
+) -> None:
+    """In bf16 the matmul's summation order may change with batch shape, so batched and solo
+    logits may differ by rounding. Tolerance: 10% of a logit standard deviation. Measured on
+    the 2-core CPU: batching moves them by 0.0 (bit-identical), while nf4/bf16 itself moves
+    them up to 3.1 standard deviations away from the float32 model: a 0.1 bound catches any
+    real batching bug (a wrong mask or slot moves logits by whole deviations) yet leaves room
+    for the rounding that other kernels (CUDA) may show."""
+    ps = prompts(formatter)
+    engine = make_engine(nf4_model, tmp_path)
+    engine.shutdown()  # drive the runner directly on this thread
+    mk = lambda: [Sequence(list(p), GREEDY) for p in ps]  # noqa: E731
+    batched = first_step_logits(engine, mk())
+    solo = torch.cat([first_step_logits(engine, [s]) for s in mk()])
+    assert torch.equal(batched.argmax(-1), solo.argmax(-1))
+    spread = solo.std(dim=-1, keepdim=True)
+    assert ((batched - solo).abs() / spread).max() < 0.1  # < 10% of a logit std dev
+    dec_batched = decode_logits(engine, mk())
+    dec_solo = torch.cat([decode_logits(engine, [s]) for s in mk()])
+    assert torch.equal(dec_batched.argmax(-1), dec_solo.argmax(-1))
+    assert ((dec_batched - dec_solo).abs() / spread).max() < 0.1
+    engine.check_integrity()

@@ -1,0 +1,223 @@
+"""The engine end to end on the real model: streaming, limits, errors, cancel, KV export."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import (
+    Engine,
+    FinishReason,
+    InvalidRequest,
+    PromptTooLong,
+    RequestFailed,
+    SamplingParams,
+    ServerBusy,
+)
+from engine.chat_format import ChatFormatter
+from engine.loader import LoadedModel
+from tests.conftest import make_engine
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=24)
+
+
+def ask(formatter: ChatFormatter, text: str) -> list[int]:
+    return formatter.encode([{"role": "user", "content": text}])
+
+
+def test_streams_a_sensible_reply(nf4_engine: Engine, formatter: ChatFormatter) -> None:
+    h = nf4_engine.submit(ask(formatter, "What is the capital of France?"),
+                          SamplingParams(temperature=0, max_new_tokens=16))
+    deltas = list(h)
+    assert len(deltas) > 3 and "Paris" in "".join(deltas)
+    assert h.text == "".join(deltas) == nf4_engine.tokenizer.decode(
+        h.token_ids, skip_special_tokens=True)
+    assert h.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+def test_stream_is_exact_across_multibyte_characters(
+    nf4_engine: Engine, formatter: ChatFormatter
+) -> None:
+    """Deltas never contain half a character, and together they are the decoded reply."""
+    h = nf4_engine.submit(ask(formatter, "Reply with emoji only: 🎉🐍🚀 and the word naïve"),
+                          SamplingParams(temperature=0.9, seed=3, max_new_tokens=48))
+    deltas = list(h)
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == nf4_engine.tokenizer.decode(h.token_ids, skip_special_tokens=True)
+
+
+def test_stop_string_ends_the_reply_and_is_not_shown(
+    nf4_engine: Engine, formatter: ChatFormatter
+) -> None:
+    p = ask(formatter, "Count from 1 to 20, separated by commas.")
+    full = nf4_engine.submit(p, SamplingParams(temperature=0, max_new_tokens=60)).result()
+    assert "5" in full
+    stop_at = full.index("5")
+    h = nf4_engine.submit(p, SamplingParams(temperature=0, max_new_tokens=60, stop=("5",)))
+    text = h.result()
+    assert h.finish_reason is FinishReason.STOP
+    assert text == full[:stop_at]
+
+
+def test_seed_makes_sampling_reproducible(nf4_engine: Engine, formatter: ChatFormatter) -> None:
+    p = ask(formatter, "Write a short poem about rain.")
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_new_tokens=20)
+    a, b = (nf4_engine.submit(p, sp) for _ in range(2))
+    assert a.result() == b.result() and a.token_ids == b.token_ids
+    c = nf4_engine.submit(p, SamplingParams(temperature=1.0, seed=99, max_new_tokens=20))
+    c.result()
+    assert c.token_ids != a.token_ids
+
+
+def test_max_new_tokens_and_ignore_eos(nf4_engine: Engine, formatter: ChatFormatter) -> None:
+    h = nf4_engine.submit(ask(formatter, "Say hi."),
+                          SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))
+    h.result()
+    assert h.num_generated_tokens == 40 and h.finish_reason is FinishReason.LENGTH
+
+
+def test_tiny_pool_completes_everything_by_queueing_and_preemption(
+    nf4_model: LoadedModel, formatter: ChatFormatter, tmp_path: Path
+) -> None:
+    # 6 blocks of 16 tokens: room for about two of these conversations at a time
+    engine = make_engine(nf4_model, tmp_path, kv_budget_mb=6 * 16 * 23040 / 2**20,
+                         max_model_len=96)
+    try:
+        assert engine.pool.num_blocks == 6
+        p = formatter.encode([{"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": "Hi"}])
+        sp = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+        handles = [engine.submit(p, sp) for _ in range(10)]
+        for h in handles:
+            h.result()
+            assert h.finish_reason is FinishReason.LENGTH and h.num_generated_tokens == 40
+        assert len({tuple(h.token_ids) for h in handles}) == 1  # greedy: all identical
+        stats = engine.stats()
+        assert stats.preemptions > 0 and stats.requests_finished == 10
+        assert stats.blocks_used == 0 and stats.blocks_free == 6
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+def test_cancel_frees_blocks_at_once(nf4_engine: Engine, formatter: ChatFormatter) -> None:
+    h = nf4_engine.submit(ask(formatter, "Tell me a long story."),
+                          SamplingParams(temperature=0, max_new_tokens=2000, ignore_eos=True))
+    it = iter(h)
+    next(it)
+    assert nf4_engine.stats().blocks_used > 0
+    h.cancel()
+    assert list(it) is not None
+    assert h.finish_reason is FinishReason.CANCELLED
+    nf4_engine.check_integrity()  # runs after the cancel message on the engine thread
+    assert nf4_engine.stats().blocks_used == 0
+
+
+def test_bad_requests_get_clear_errors_while_others_continue(
+    nf4_model: LoadedModel, formatter: ChatFormatter, tmp_path: Path
+) -> None:
+    engine = make_engine(nf4_model, tmp_path, max_queue=2, max_num_seqs=1, max_model_len=256)
+    try:
+        busy = engine.submit(ask(formatter, "Hello"),
+                             SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True))
+        next(iter(busy))  # it runs now, taking the only batch slot
+        with pytest.raises(InvalidRequest, match="empty"):
+            engine.submit([])
+        with pytest.raises(PromptTooLong, match="at most 255"):
+            engine.submit([5] * 300)
+        with pytest.raises(InvalidRequest, match="invalid token"):
+            engine.submit([1, -4, 10**9])
+        with pytest.raises(InvalidRequest, match="temperature"):
+            SamplingParams(temperature=-1)
+        with pytest.raises(InvalidRequest, match="max_new_tokens"):
+            SamplingParams(max_new_tokens=0)
+        with pytest.raises(InvalidRequest, match="top_p"):
+            SamplingParams(top_p=float("nan"))
+        queued = [engine.submit(ask(formatter, "Hi"), GREEDY) for _ in range(2)]
+        with pytest.raises(ServerBusy, match="busy"):
+            engine.submit(ask(formatter, "Hi"), GREEDY)
+        assert engine.stats().requests_rejected >= 1
+        for h in [busy, *queued]:
+            h.result()
+            assert h.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    finally:
+        engine.shutdown()
+
+
+def test_a_crashing_step_fails_only_its_requests(
+    nf4_engine: Engine, formatter: ChatFormatter
+) -> None:
+    calls = {"n": 0}
+
+    def explode_once(plan: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+
+    nf4_engine._step_hook = explode_once
+    victim = nf4_engine.submit(ask(formatter, "Hi"), GREEDY)
+    with pytest.raises(RequestFailed, match="injected fault"):
+        victim.result()
+    assert victim.finish_reason is FinishReason.ERROR
+    after = nf4_engine.submit(ask(formatter, "What is the capital of France?"), GREEDY)
+    assert "Paris" in after.result()
+    nf4_engine.check_integrity()
+
+
+def test_submit_from_many_threads_batches_them(
+    nf4_engine: Engine, formatter: ChatFormatter
+) -> None:
+    results: list[str] = []
+
+    def user(i: int) -> None:
+        results.append(nf4_engine.submit(ask(formatter, f"Say the number {i}."),
+                                         GREEDY).result())
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 6 and all(results)
+    assert nf4_engine.stats().max_batch_seen > 1
+
+
+def test_retained_kv_is_reused_and_exports_exactly(
+    nf4_engine: Engine, formatter: ChatFormatter
+) -> None:
+    conv = [{"role": "user", "content": "Name a fruit."}]
+    first = nf4_engine.submit(formatter.encode(conv), GREEDY, owner="s1", retain=True)
+    reply = first.result()
+    resident = nf4_engine.resident_kv()
+    assert "s1" in resident and resident["s1"][0] == first.num_prompt_tokens + len(
+        first.token_ids) - 1
+    exported = nf4_engine.export_kv("s1")
+    assert exported is not None and exported.k.shape[1] == len(exported.token_ids)
+    conv += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Another?"}]
+    second = nf4_engine.submit(formatter.encode(conv), GREEDY, owner="s1", retain=True)
+    second.result()
+    assert second.num_cached_tokens >= first.num_prompt_tokens  # only the new turn was prefilled
+    # export -> drop -> import round trip is byte-exact
+    kv = nf4_engine.export_kv("s1")
+    assert nf4_engine.drop_kv("s1") and "s1" not in nf4_engine.resident_kv()
+    assert nf4_engine.import_kv("s1", kv)
+    again = nf4_engine.export_kv("s1")
+    assert again.token_ids == kv.token_ids
+    assert torch.equal(again.k.view(torch.int16), kv.k.view(torch.int16))
+    assert torch.equal(again.v.view(torch.int16), kv.v.view(torch.int16))
+    nf4_engine.drop_kv("s1")
+
+
+def test_stats_report_latencies_and_throughput(
+    nf4_engine: Engine, formatter: ChatFormatter
+) -> None:
+    nf4_engine.generate([ask(formatter, "Hi")] * 4, GREEDY)
+    time.sleep(0.01)
+    s = nf4_engine.stats()
+    assert s.ttft_p50_s and s.ttft_p50_s > 0 and s.itl_p50_s and s.itl_p95_s >= s.itl_p50_s
+    assert s.tokens_per_s > 0 and s.generated_tokens_total >= 4
+    assert s.blocks_total == s.blocks_used + s.blocks_free
