@@ -24,6 +24,7 @@ from engine.metrics import EngineStats, Metrics, StepTimer, _pct
 from engine.model_runner import ModelRunner
 from engine.scheduler import MIN_PREFILL_CHUNK, ResidentKV, Scheduler, StepPlan
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from engine.threads import run_in_fresh_thread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,7 +65,9 @@ class Engine:
         if num_blocks < 2:
             raise InvalidRequest(f"KV budget {budget / 2**20:.1f} MB holds fewer than 2 blocks; "
                                  "raise --kv-budget-mb or --gpu-memory-utilization")
-        self.cache = KVCache(self.loaded, num_blocks, config.block_size)
+        # zero-filling is an OpenMP region: keep it off the caller's thread (engine.threads)
+        self.cache = run_in_fresh_thread(lambda: KVCache(self.loaded, num_blocks,
+                                                         config.block_size))
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs)
         self.runner = ModelRunner(self.loaded, self.cache)

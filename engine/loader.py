@@ -26,6 +26,7 @@ from transformers import (  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.errors import ModelLoadError  # noqa: E402
+from engine.threads import run_in_fresh_thread  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,15 @@ def quantization_config(quant: str, dtype: torch.dtype) -> BitsAndBytesConfig | 
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
-    """Resolve, convert if needed, and load the model and tokenizer onto the device."""
+    """Resolve, convert if needed, and load the model and tokenizer onto the device.
+
+    Runs on a short-lived thread (see `engine.threads`) so the caller's thread keeps no
+    OpenMP team that would slow the engine thread down.
+    """
+    return run_in_fresh_thread(lambda: _load_model(config), "crowdchat-loader")
+
+
+def _load_model(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if config.threads is not None and device.type == "cpu":
