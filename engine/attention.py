@@ -32,12 +32,13 @@ class PrefillChunk:
 class StepMetadata:
     """What every layer's attention needs for one step, built once by the runner."""
 
-    k_cache: list[torch.Tensor]  # per layer [slots, H_kv, D]
+    k_cache: list[torch.Tensor]  # per layer [H_kv, slots, D]
     v_cache: list[torch.Tensor]
+    block_size: int
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [B, Lmax] context slots, padded
-    decode_pad: torch.Tensor | None  # [B, 1, 1, Lmax] bool, True = padding (masked out)
+    decode_blocks: torch.Tensor | None  # [B, nblk] each decode's block table, padded
+    decode_pad: torch.Tensor | None  # [B, nblk * block_size] bool, True = not its context
     prefills: list[PrefillChunk]
 
 
@@ -57,14 +58,20 @@ def paged_attention(
     assert meta is not None, "paged attention runs only inside the engine's model runner"
     layer = module.layer_idx
     kc, vc = meta.k_cache[layer], meta.v_cache[layer]
-    kc.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))  # [T, H_kv, D]
-    vc.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+    kc.index_copy_(1, meta.slot_mapping, key[0])  # [H_kv, T, D]
+    vc.index_copy_(1, meta.slot_mapping, value[0])
     _, h, t, d = query.shape
     out = query.new_empty(t, h, d)
     b = meta.num_decodes
     if b:
-        out[:b] = _decode_attention(query[0, :, :b], kc[meta.decode_slots],
-                                    vc[meta.decode_slots], meta.decode_pad, scaling)
+        hkv, bs = kc.shape[0], meta.block_size
+        nblk = meta.decode_blocks.shape[1]
+        # gather whole blocks with index_select: long row copies, ~5x faster on CPU than
+        # advanced indexing
+        blocks = meta.decode_blocks.flatten()
+        k = kc.view(hkv, -1, bs, d).index_select(1, blocks).view(hkv, b, nblk * bs, d)
+        v = vc.view(hkv, -1, bs, d).index_select(1, blocks).view(hkv, b, nblk * bs, d)
+        out[:b] = _decode_attention(query[0, :, :b], k, v, meta.decode_pad, scaling)
     for c in meta.prefills:
         q = query[:, :, c.start:c.end]  # [1, H, n, D]
         if c.context_slots is None:
@@ -72,8 +79,8 @@ def paged_attention(
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
                                                enable_gqa=True)
         else:
-            k = kc[c.context_slots].transpose(0, 1).unsqueeze(0)  # [1, H_kv, L, D]
-            v = vc[c.context_slots].transpose(0, 1).unsqueeze(0)
+            k = kc.index_select(1, c.context_slots).unsqueeze(0)  # [1, H_kv, L, D]
+            v = vc.index_select(1, c.context_slots).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, scale=scaling,
                                                enable_gqa=True)
         out[c.start:c.end] = o[0].transpose(0, 1)
@@ -82,9 +89,9 @@ def paged_attention(
 
 def _decode_attention(
     query: torch.Tensor,  # [H, B, D]
-    k: torch.Tensor,  # [B, Lmax, H_kv, D]
-    v: torch.Tensor,  # [B, Lmax, H_kv, D]
-    pad: torch.Tensor,  # [B, 1, 1, Lmax]
+    k: torch.Tensor,  # [H_kv, B, Lmax, D]
+    v: torch.Tensor,  # [H_kv, B, Lmax, D]
+    pad: torch.Tensor,  # [B, Lmax]
     scaling: float | None,
 ) -> torch.Tensor:
     """One query token per sequence against its padded context.  # [B, H, D]
@@ -93,12 +100,14 @@ def _decode_attention(
     times faster than SDPA's flash kernel for one-token queries, and never expands K/V.
     """
     h, b, d = query.shape
-    hkv = k.shape[2]
-    q = query.transpose(0, 1).reshape(b, hkv, h // hkv, d)  # [B, H_kv, G, D]
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1))  # [B, H_kv, G, Lmax]
-    scores = (scores.float() * (scaling or d**-0.5)).masked_fill_(pad, float("-inf"))
+    hkv = k.shape[0]
+    q = query.reshape(hkv, h // hkv, b, d).transpose(1, 2)  # [H_kv, B, G, D]
+    scores = torch.matmul(q, k.transpose(-1, -2))  # [H_kv, B, G, Lmax]
+    scores = scores.float().mul_(scaling or d**-0.5).masked_fill_(pad[None, :, None, :],
+                                                                  float("-inf"))
     probs = scores.softmax(-1).to(v.dtype)
-    return torch.matmul(probs, v.transpose(1, 2)).reshape(b, h, d)  # [B, H_kv, G, D] -> [B, H, D]
+    out = torch.matmul(probs, v)  # [H_kv, B, G, D]
+    return out.permute(1, 0, 2, 3).reshape(b, h, d)
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:

@@ -24,7 +24,8 @@ class ChatFormatter:
             raise InvalidRequest("the model's tokenizer has no chat template")
         self.tokenizer = tokenizer
 
-    def encode(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode(self, messages: list[dict[str, str]],
+               add_generation_prompt: bool = True) -> list[int]:
         """Token ids of `messages` rendered by the chat template.
 
         Raises:

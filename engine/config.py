@@ -34,7 +34,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's own context length
     max_queue: int = 256
-    max_num_batched_tokens: int = 256
+    max_num_batched_tokens: int = 512
     target_itl_ms: float | None = None
     threads: int | None = None  # torch intra-op threads on CPU; None: torch's default
 
@@ -50,7 +50,8 @@ class EngineConfig:
         need(self.kv_budget_mb is None or self.kv_budget_mb > 0, "--kv-budget-mb must be > 0")
         need(0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]")
         need(self.max_num_seqs >= 1, "--max-num-seqs must be >= 1")
-        need(self.max_model_len is None or self.max_model_len >= 16, "--max-model-len must be >= 16")
+        need(self.max_model_len is None or self.max_model_len >= 16,
+             "--max-model-len must be >= 16")
         need(self.max_queue >= 0, "--max-queue must be >= 0")
         need(self.max_num_batched_tokens >= 16, "--max-num-batched-tokens must be >= 16")
         need(self.target_itl_ms is None or self.target_itl_ms > 0, "--target-itl-ms must be > 0")
@@ -79,7 +80,7 @@ class EngineConfig:
         g.add_argument("--max-model-len", type=int, default=env_default("max_model_len", None))
         g.add_argument("--max-queue", type=int, default=env_default("max_queue", 256))
         g.add_argument("--max-num-batched-tokens", type=int,
-                       default=env_default("max_num_batched_tokens", 256),
+                       default=env_default("max_num_batched_tokens", 512),
                        help="tokens per step (prefill chunks + decodes)")
         g.add_argument("--target-itl-ms", type=float, default=env_default("target_itl_ms", None),
                        help="size prefill chunks so running users' inter-token latency stays "

@@ -45,19 +45,22 @@ def kv_budget_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
 
 
 class KVCache:
-    """K and V for every layer in one preallocated tensor `[2, L, slots, H_kv, D]`.
+    """K and V for every layer in one preallocated tensor `[2, L, H_kv, slots, D]`.
 
-    A slot is `block * block_size + offset`. Only the engine thread touches it.
+    A slot is `block * block_size + offset`. Heads come before slots so that a layer's new
+    K/V (`[H_kv, T, D]` as the model makes them) are written without a transpose, and a
+    gathered context (`[H_kv, B, L, D]`) is contiguous for the attention matmuls. Only the
+    engine thread touches it.
     """
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.data = torch.zeros(
-            2, loaded.num_layers, num_blocks * block_size, loaded.num_kv_heads, loaded.head_dim,
+            2, loaded.num_layers, loaded.num_kv_heads, num_blocks * block_size, loaded.head_dim,
             dtype=loaded.dtype, device=loaded.device,
         )
-        self.k = list(self.data[0])  # per layer: [slots, H_kv, D]
+        self.k = list(self.data[0])  # per layer: [H_kv, slots, D]
         self.v = list(self.data[1])
 
     @property
@@ -74,12 +77,12 @@ class KVCache:
     def export(self, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the KV of a sequence's first `num_tokens` tokens to CPU.  # 2 x [L, T, H_kv, D]"""
         idx = self.slots(block_table, 0, num_tokens)
-        k = self.data[0][:, idx].to("cpu", copy=True)
-        v = self.data[1][:, idx].to("cpu", copy=True)
+        k = self.data[0][:, :, idx].transpose(1, 2).to("cpu", copy=True).contiguous()
+        v = self.data[1][:, :, idx].transpose(1, 2).to("cpu", copy=True).contiguous()
         return k, v
 
     def load(self, block_table: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write exported KV (`[L, T, H_kv, D]` each) into the given blocks."""
         idx = self.slots(block_table, 0, k.shape[1])
-        self.data[0][:, idx] = k.to(self.data.device, self.data.dtype)
-        self.data[1][:, idx] = v.to(self.data.device, self.data.dtype)
+        self.data[0][:, :, idx] = k.transpose(1, 2).to(self.data.device, self.data.dtype)
+        self.data[1][:, :, idx] = v.transpose(1, 2).to(self.data.device, self.data.dtype)

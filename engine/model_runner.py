@@ -33,22 +33,19 @@ class ModelRunner:
         pos: list[int] = []
         slot_parts: list[torch.Tensor] = []
         logit_rows: list[int] = []
-        decode_slots = decode_pad = None
+        decode_blocks = decode_pad = None
         if plan.decodes:
-            lens = [s.num_computed + 1 for s in plan.decodes]
-            lmax = max(lens)
-            nblk = -(-lmax // cache.block_size)
+            bs = cache.block_size
+            lens = torch.tensor([s.num_computed + 1 for s in plan.decodes])
+            nblk = -(-int(lens.max()) // bs)
             table = torch.zeros(len(lens), nblk, dtype=torch.long)
             for i, s in enumerate(plan.decodes):
-                table[i, : len(s.block_table)] = torch.tensor(s.block_table[:nblk])
-            offs = torch.arange(cache.block_size)
-            all_slots = (table[:, :, None] * cache.block_size + offs).reshape(len(lens), -1)
-            all_slots = all_slots[:, :lmax]  # [B, Lmax]
-            length = torch.tensor(lens)
-            valid = torch.arange(lmax)[None, :] < length[:, None]  # [B, Lmax]
-            decode_slots = torch.where(valid, all_slots, 0).to(dev)
-            decode_pad = ~valid[:, None, None, :].to(dev)
-            slot_parts.append(all_slots[torch.arange(len(lens)), length - 1])
+                row = s.block_table[:nblk]
+                table[i, : len(row)] = torch.tensor(row)
+            decode_blocks = table.to(dev)
+            decode_pad = (torch.arange(nblk * bs)[None, :] >= lens[:, None]).to(dev)
+            last = lens - 1  # each decode token's own position
+            slot_parts.append(table[torch.arange(len(lens)), last // bs] * bs + last % bs)
             for i, s in enumerate(plan.decodes):
                 ids.append(s.token_ids[s.num_computed])
                 pos.append(s.num_computed)
@@ -71,7 +68,8 @@ class ModelRunner:
             k_cache=cache.k, v_cache=cache.v,
             slot_mapping=torch.cat(slot_parts).to(dev),
             num_decodes=len(plan.decodes),
-            decode_slots=decode_slots, decode_pad=decode_pad, prefills=prefills,
+            block_size=cache.block_size, decode_blocks=decode_blocks, decode_pad=decode_pad,
+            prefills=prefills,
         )
         return meta, ids, pos, logit_rows
 
@@ -93,4 +91,6 @@ class ModelRunner:
         """Run one step; return the sampled next token of each sequence that reached its end."""
         logits = self.forward(plan)
         sampled = plan.decodes + [s for s, n in plan.prefills if s.num_computed + n == s.num_tokens]
-        return dict(zip(sampled, sample(logits, sampled, self.stop_ids))) if sampled else {}
+        if not sampled:
+            return {}
+        return dict(zip(sampled, sample(logits, sampled, self.stop_ids), strict=True))

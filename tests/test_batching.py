@@ -50,7 +50,7 @@ def test_fp32_batched_equals_solo_equals_transformers_generate(
     model.set_attn_implementation("sdpa")
     try:
         with torch.inference_mode():
-            for p, mine in zip(ps, batched):
+            for p, mine in zip(ps, batched, strict=True):
                 ref = model.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False)
                 assert mine == ref[0, len(p):].tolist()
     finally:
