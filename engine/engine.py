@@ -161,9 +161,10 @@ class Engine:
         return self._queue_positions.get(handle.seq_id, None if handle.seq_id in
                                          self._running_ids else self._pending - 1)
 
-    def set_memory_pressure_hook(self, hook: Callable[[int], None] | None) -> None:
-        """`hook(blocks_short)` runs on the engine thread when the pool is full; it may free
-        resident KV (through `export_kv` + `drop_kv`) before anyone has to wait."""
+    def set_memory_pressure_hook(self, hook: Callable[[int, str | None], None] | None) -> None:
+        """`hook(blocks_short, protected_owner)` runs on the engine thread when the pool is
+        full; it may free resident KV (`export_kv` + `drop_kv`, except the protected owner's)
+        before anyone has to wait. It must not block on other threads' locks."""
         self.scheduler.memory_pressure = hook
 
     def export_kv(self, owner: str) -> KVExport | None:

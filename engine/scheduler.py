@@ -63,7 +63,7 @@ class Scheduler:
         self,
         pool: BlockPool,
         max_num_seqs: int,
-        memory_pressure: Callable[[int], None] | None = None,
+        memory_pressure: Callable[[int, str | None], None] | None = None,
     ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
@@ -117,7 +117,7 @@ class Scheduler:
             return True
         if self.memory_pressure is not None and self.resident:
             try:
-                self.memory_pressure(needed - self.pool.num_free)
+                self.memory_pressure(needed - self.pool.num_free, keep_owner)
             except Exception:  # the hook is the session layer's; a bug there must not stop us
                 log.exception("memory-pressure hook failed")
         for owner in list(self.resident):
@@ -155,16 +155,25 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING and need > 0:
                 seq.block_table += self.pool.allocate(need)
 
+    def _reusable(self, seq: Sequence) -> int:
+        """Tokens of the owner's resident KV that the sequence can reuse (its last is new)."""
+        entry = self.resident.get(seq.owner) if seq.owner is not None else None
+        if entry is None:
+            return 0
+        return min(common_prefix(entry.token_ids, seq.token_ids), seq.num_tokens - 1)
+
     def _admit(self, seq: Sequence) -> bool:
         """Move the head of `waiting` to `running` if its blocks fit, reusing its owner's KV."""
-        entry = self.resident.get(seq.owner) if seq.owner is not None else None
-        reuse = 0
-        if entry is not None:
-            reuse = min(common_prefix(entry.token_ids, seq.token_ids), seq.num_tokens - 1)
+        reuse = self._reusable(seq)
+        if not self._reclaim(self.pool.blocks_for(seq.num_tokens)
+                             - self.pool.blocks_for(reuse), keep_owner=seq.owner):
+            return False
+        if self._reusable(seq) != reuse:  # a hook released the owner's KV after all
+            reuse = 0
+            if not self._reclaim(self.pool.blocks_for(seq.num_tokens)):
+                return False
         keep = self.pool.blocks_for(reuse)
         need = self.pool.blocks_for(seq.num_tokens) - keep
-        if not self._reclaim(need, keep_owner=seq.owner):
-            return False
         entry = self.resident.pop(seq.owner, None) if seq.owner is not None else None
         if entry is not None:
             self.pool.free(entry.block_table[keep:])

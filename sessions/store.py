@@ -255,6 +255,10 @@ class Store:
         assert fields.keys() <= MESSAGE_FIELDS, f"unknown message fields {fields.keys()}"
         self._write(lambda db: db.table("messages").update(id, fields))
 
+    def delete_message(self, id: int) -> None:
+        """Delete message `id` (regenerating replaces the last reply)."""
+        self._write(lambda db: db.table("messages").delete_where("id = ?", [id]))
+
     def messages(self, session_id: str) -> list[dict]:
         """The session's messages in the order they were added."""
         return self._rows("messages", "session_id = ?", [session_id], "id")

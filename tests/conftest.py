@@ -51,3 +51,21 @@ def nf4_engine(nf4_model: LoadedModel, tmp_path: Path) -> Iterator[Engine]:
     yield engine
     engine.check_integrity()
     engine.shutdown()
+
+
+def make_sessions(loaded: LoadedModel, data_dir: Path, engine_overrides: dict | None = None,
+                  **session_overrides: object):  # noqa: ANN201 - (Engine, SessionManager)
+    """An engine plus a session manager on `data_dir` (idle persistence off unless asked)."""
+    from sessions import SessionConfig, SessionManager
+
+    engine = make_engine(loaded, data_dir, **(engine_overrides or {}))
+    settings: dict[str, object] = {"idle_seconds": 3600.0}
+    settings.update(session_overrides)
+    manager = SessionManager(engine, SessionConfig(**settings), data_dir)  # type: ignore[arg-type]
+    return engine, manager
+
+
+def close_sessions(engine: Engine, manager: object) -> None:
+    manager.shutdown()  # type: ignore[attr-defined]
+    engine.check_integrity()
+    engine.shutdown()

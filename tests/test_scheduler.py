@@ -92,7 +92,7 @@ def test_memory_pressure_hook_is_asked_before_dropping() -> None:
     sched.put_resident("idle", ResidentKV([1, 2, 3, 4], pool.allocate(2)))
     asked: list[int] = []
 
-    def hook(short: int) -> None:
+    def hook(short: int, protected: str | None) -> None:
         asked.append(short)
         sched.drop_resident("idle")  # the session layer persists it, then frees it
 

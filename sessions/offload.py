@@ -1,0 +1,188 @@
+"""Moves idle sessions' KV out of the pool (host RAM, disk) and back, never changing a byte."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from engine import Engine, KVExport
+from sessions.snapshots import SnapshotFiles, token_hash
+from sessions.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def kv_bytes(kv: KVExport) -> int:
+    return (kv.k.numel() * kv.k.element_size()) * 2
+
+
+class KVOffloader:
+    """The tiers below the KV pool: host RAM (CUDA only) and snapshot files on disk.
+
+    `persist` (idle sweeper) writes synchronously and frees the pool only once the file is
+    durable, so a failed write leaves the session resident. `evict` runs on the engine thread
+    under memory pressure: it copies KV to host memory, frees the blocks at once, and a writer
+    thread makes the copy durable; until then a returning user restores from that copy.
+    """
+
+    def __init__(self, engine: Engine, store: Store, files: SnapshotFiles,
+                 host_budget_bytes: int, disk_budget_bytes: int,
+                 on_state: Callable[[str, str], None]) -> None:
+        self.engine = engine
+        self.store = store
+        self.files = files
+        self.fingerprint = engine.loaded.fingerprint(engine.config.block_size)
+        self.pin = engine.loaded.device.type == "cuda"
+        self.host_budget = host_budget_bytes if self.pin else 0
+        self.disk_budget = disk_budget_bytes
+        self.on_state = on_state  # (session id, new state): the manager records it
+        self.host: OrderedDict[str, KVExport] = OrderedDict()  # LRU first
+        self.lock = threading.Lock()  # guards `host`; never held while waiting on others
+        self.last_error: str | None = None
+        self.restores = {"host": 0, "disk": 0}
+        self.persists = 0
+        self.failures = 0
+        self._jobs: queue.Queue[str | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="crowdchat-kv-writer",
+                                        daemon=True)
+        self._writer.start()
+
+    # -- out of the pool ----------------------------------------------------------------
+    def persist(self, sid: str) -> bool:
+        """Write a resident session's KV to disk, then free its blocks (False: stays put)."""
+        kv = self.engine.export_kv(sid)
+        if kv is None:
+            return False
+        if not self._write(sid, kv):
+            return False
+        self.engine.drop_kv(sid)
+        self.on_state(sid, "persisted")
+        return True
+
+    def evict(self, short: int, protected: str | None, busy: Callable[[str], bool]) -> None:
+        """Engine thread, pool full: move idle resident KV (LRU first) to host memory."""
+        for sid, (_tokens, blocks, _idle) in self.engine.resident_kv().items():
+            if short <= 0:
+                break
+            if sid == protected or busy(sid):
+                continue
+            kv = self.engine.export_kv(sid)
+            if kv is None:
+                continue
+            if self.pin:
+                kv = KVExport(kv.token_ids, kv.k.pin_memory(), kv.v.pin_memory())
+            self.engine.drop_kv(sid)
+            short -= blocks
+            with self.lock:
+                self.host[sid] = kv
+            self._jobs.put(sid)  # the writer decides: keep in host RAM or write to disk
+
+    # -- back into the pool -------------------------------------------------------------
+    def restore(self, sid: str) -> str:
+        """Make the session's KV resident if it is anywhere: 'resident', 'host', 'disk', or
+        'cold' when nothing valid exists (the engine then recomputes the prefix)."""
+        if sid in self.engine.resident_kv():
+            return "resident"
+        with self.lock:
+            kv = self.host.get(sid)
+        if kv is not None and self.engine.import_kv(sid, kv):
+            with self.lock:
+                self.host.pop(sid, None)
+            self.restores["host"] += 1
+            return "host"
+        row = self.store.get_snapshot(sid)
+        if row is None:
+            return "cold"
+        got = self.files.read(sid, self.fingerprint, row["token_hash"])
+        if got is None:  # damaged, stale or missing: recompute, and forget the file
+            self.drop_snapshot(sid)
+            return "cold"
+        ids, k, v = got
+        if not self.engine.import_kv(sid, KVExport(ids, k, v)):
+            return "cold"
+        self.restores["disk"] += 1
+        return "disk"
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def location(self, sid: str) -> str | None:
+        with self.lock:
+            if sid in self.host:
+                return "host"
+        return None
+
+    def host_bytes(self) -> int:
+        with self.lock:
+            return sum(kv_bytes(kv) for kv in self.host.values())
+
+    def discard(self, sid: str) -> None:
+        """Forget every copy of the session's KV."""
+        self.engine.drop_kv(sid)
+        with self.lock:
+            self.host.pop(sid, None)
+        self.drop_snapshot(sid)
+
+    def drop_snapshot(self, sid: str) -> None:
+        self.files.delete(sid)
+        self.store.delete_snapshot(sid)
+
+    def flush(self) -> None:
+        """Shutdown: write every resident and host-held KV to disk."""
+        for sid in list(self.engine.resident_kv()):
+            self.persist(sid)
+        self._jobs.put(None)
+        self._writer.join()
+        with self.lock:
+            pending = list(self.host.items())
+            self.host.clear()
+        for sid, kv in pending:
+            if self._write(sid, kv):
+                self.on_state(sid, "persisted")
+
+    def _write_loop(self) -> None:
+        """Keep host copies within the host budget (0 on CPU): oldest go to disk first."""
+        while (sid := self._jobs.get()) is not None:
+            self.on_state(sid, "persisted")
+            while self.host_bytes() > self.host_budget:
+                with self.lock:
+                    victim, kv = next(iter(self.host.items()))
+                ok = self._write(victim, kv)
+                with self.lock:
+                    mine = self.host.get(victim) is kv  # not restored meanwhile
+                    if mine:
+                        del self.host[victim]
+                if mine and not ok:
+                    self.on_state(victim, "cold")  # its KV is gone; the next turn recomputes
+
+    def _write(self, sid: str, kv: KVExport) -> bool:
+        try:
+            path, size = self.files.write(sid, kv.token_ids, kv.k, kv.v, self.fingerprint)
+            self.store.put_snapshot(sid, str(path), size, len(kv.token_ids),
+                                    token_hash(kv.token_ids), self.fingerprint)
+        except Exception as e:  # noqa: BLE001 - disk full, unwritable dir: keep serving
+            self.failures += 1
+            self.last_error = f"{time.strftime('%H:%M:%S')} persisting {sid[:8]} failed: {e}"
+            log.error("snapshot of session %s failed: %s", sid, e)
+            return False
+        self.persists += 1
+        self._enforce_disk_budget(keep=sid)
+        return True
+
+    def _enforce_disk_budget(self, keep: str) -> None:
+        total = self.files.total_bytes()
+        for row in self.store.snapshots():  # oldest first
+            if total <= self.disk_budget:
+                return
+            if row["session_id"] == keep:
+                continue
+            total -= row["bytes"]
+            self.drop_snapshot(row["session_id"])
+            self.on_state(row["session_id"], "cold")
+            log.info("disk budget: deleted the snapshot of session %s", row["session_id"])
+        if total > self.disk_budget:  # this one alone is over budget
+            self.drop_snapshot(keep)
+            self.on_state(keep, "cold")
+

@@ -1,0 +1,245 @@
+"""Sessions on the real model, a real SQLite file and real snapshot files."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import InvalidRequest, SamplingParams
+from engine.errors import SessionBusy, SessionNotFound
+from engine.loader import LoadedModel
+from tests.conftest import close_sessions, make_sessions
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=16)
+Q1, Q2 = "Name a large animal.", "Where does it live?"
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_second_turn_prefills_only_its_new_tokens(nf4_model: LoadedModel, tmp_path: Path) -> None:
+    engine, sm = make_sessions(nf4_model, tmp_path)
+    try:
+        s = sm.create_session("alice")
+        t1 = sm.chat("alice", s["id"], Q1, GREEDY)
+        t1.result()
+        t2 = sm.chat("alice", s["id"], Q2, GREEDY)
+        t2.result()
+        assert t2.restored_from == "resident"
+        covered = len(t1.prompt) + t1.handle.num_generated_tokens - 1
+        assert t2.handle.num_cached_tokens >= covered - 2  # at most a retokenized tail
+        msgs = sm.messages("alice", s["id"])
+        assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
+        assert msgs[1]["content"] == t1.text and msgs[3]["content"] == t2.text
+        row = sm.get_session("alice", s["id"])
+        assert row["state"] == "resident" and row["title"] == Q1
+    finally:
+        close_sessions(engine, sm)
+
+
+@pytest.mark.parametrize("mode", ["nf4", "fp32"])
+def test_persist_and_restore_change_nothing_also_across_restart(
+    mode: str, nf4_model: LoadedModel, fp32_model: LoadedModel, tmp_path: Path
+) -> None:
+    loaded = nf4_model if mode == "nf4" else fp32_model
+    engine, sm = make_sessions(loaded, tmp_path)
+    try:
+        kept, moved = sm.create_session("u"), sm.create_session("u")
+        first = [sm.chat("u", s["id"], Q1, GREEDY).result() for s in (kept, moved)]
+        assert first[0] == first[1]
+        before = engine.export_kv(moved["id"])
+        assert sm.persist_now(moved["id"])
+        assert moved["id"] not in engine.resident_kv()
+        assert sm.get_session("u", moved["id"])["state"] == "persisted"
+        assert sm.offload.restore(moved["id"]) == "disk"
+        after = engine.export_kv(moved["id"])
+        assert after.token_ids == before.token_ids
+        assert same_bytes(after.k, before.k) and same_bytes(after.v, before.v)
+        assert sm.persist_now(moved["id"])
+        resident_reply = sm.chat("u", kept["id"], Q2, GREEDY).result()
+        turn = sm.chat("u", moved["id"], Q2, GREEDY)
+        assert turn.result() == resident_reply and turn.restored_from == "disk"
+    finally:
+        close_sessions(engine, sm)
+    # restart: a new engine and manager on the same data dir
+    engine, sm = make_sessions(loaded, tmp_path)
+    try:
+        assert [m["content"] for m in sm.messages("u", moved["id"])][:2] == [Q1, first[1]]
+        assert sm.get_session("u", kept["id"])["state"] == "persisted"  # flushed at shutdown
+        again = [sm.chat("u", s["id"], "Thanks!", GREEDY) for s in (kept, moved)]
+        replies = [t.result() for t in again]
+        assert all(t.restored_from == "disk" for t in again)
+        assert replies[0] == replies[1]
+        assert again[1].handle.num_cached_tokens > len(again[1].prompt) // 2
+    finally:
+        close_sessions(engine, sm)
+
+
+def corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["corrupted", "truncated", "missing", "wrong_model"])
+def test_bad_snapshots_fall_back_to_recompute(
+    damage: str, fp32_model: LoadedModel, tmp_path: Path
+) -> None:
+    engine, sm = make_sessions(fp32_model, tmp_path)
+    try:
+        cold, bad = sm.create_session("u"), sm.create_session("u")
+        for s in (cold, bad):
+            sm.chat("u", s["id"], Q1, GREEDY).result()
+        sm.drop_kv(cold["id"])  # the reference: a plain recompute
+        assert sm.persist_now(bad["id"])
+        path = sm.files.path(bad["id"])
+        if damage == "corrupted":
+            corrupt(path)
+        elif damage == "truncated":
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+        elif damage == "missing":
+            path.unlink()
+        else:
+            sm.offload.fingerprint = {**sm.offload.fingerprint, "weights_hash": "another"}
+        reference = sm.chat("u", cold["id"], Q2, GREEDY).result()
+        turn = sm.chat("u", bad["id"], Q2, GREEDY)
+        assert turn.result() == reference
+        assert turn.restored_from == "cold" and turn.handle.num_cached_tokens == 0
+        assert sm.store.get_snapshot(bad["id"]) is None  # the bad file is forgotten
+    finally:
+        close_sessions(engine, sm)
+
+
+def test_five_users_share_a_pool_for_two_lru_first(nf4_model: LoadedModel,
+                                                    tmp_path: Path) -> None:
+    blocks = 12  # two conversations of ~80 tokens (5 blocks each) fit, a third does not
+    engine, sm = make_sessions(nf4_model, tmp_path, {
+        "kv_budget_mb": blocks * 16 * engine_bytes(nf4_model) / 2**20, "max_model_len": 190})
+    try:
+        users = [f"user{i}" for i in range(5)]
+        sids = {u: sm.create_session(u)["id"] for u in users}
+        for rnd, q in enumerate([Q1, Q2]):
+            for u in users:
+                turn = sm.chat(u, sids[u], q, GREEDY)
+                assert turn.result()
+                if rnd == 1:
+                    assert turn.restored_from in ("host", "disk")
+            resident = list(engine.resident_kv())  # least recently used first
+            assert 1 <= len(resident) <= 3  # the pool holds a few, never all five
+            assert resident == [sids[u] for u in users[-len(resident):]]  # the newest stay
+        for u in users:
+            assert len(sm.messages(u, sids[u])) == 4
+        assert sm.offload.restores["disk"] + sm.offload.restores["host"] >= 5
+    finally:
+        close_sessions(engine, sm)
+
+
+def engine_bytes(loaded: LoadedModel) -> int:
+    from engine.kv_cache import bytes_per_token
+    return bytes_per_token(loaded)
+
+
+def test_idle_sessions_are_persisted_by_the_sweeper(nf4_model: LoadedModel,
+                                                     tmp_path: Path) -> None:
+    engine, sm = make_sessions(nf4_model, tmp_path, idle_seconds=0.3, sweep_interval_s=0.1)
+    try:
+        s = sm.create_session("u")
+        sm.chat("u", s["id"], Q1, GREEDY).result()
+        deadline = time.time() + 10
+        while s["id"] in engine.resident_kv() and time.time() < deadline:
+            time.sleep(0.1)
+        assert s["id"] not in engine.resident_kv()
+        assert sm.get_session("u", s["id"])["state"] == "persisted"
+        assert sm.files.path(s["id"]).is_file()
+        assert sm.chat("u", s["id"], Q2, GREEDY).result()
+    finally:
+        close_sessions(engine, sm)
+
+
+def test_disk_budget_deletes_the_oldest_snapshots(nf4_model: LoadedModel, tmp_path: Path) -> None:
+    engine, sm = make_sessions(nf4_model, tmp_path, kv_disk_budget_mb=1.5)  # ~one snapshot
+    try:
+        a, b = sm.create_session("u"), sm.create_session("u")
+        for s in (a, b):
+            sm.chat("u", s["id"], Q1, GREEDY).result()
+        assert sm.persist_now(a["id"]) and sm.persist_now(b["id"])
+        assert sm.files.total_bytes() <= 1.5 * 2**20
+        assert sm.store.get_snapshot(a["id"]) is None and not sm.files.path(a["id"]).exists()
+        assert sm.get_session("u", a["id"])["state"] == "cold"
+        assert sm.store.get_snapshot(b["id"]) is not None
+        assert sm.chat("u", a["id"], Q2, GREEDY).result()  # cold still chats
+        sm.delete_session("u", b["id"])
+        assert not sm.files.path(b["id"]).exists()  # deleted sessions lose their snapshot
+    finally:
+        close_sessions(engine, sm)
+
+
+def test_owners_are_isolated_and_ids_are_checked(nf4_model: LoadedModel, tmp_path: Path) -> None:
+    engine, sm = make_sessions(nf4_model, tmp_path)
+    try:
+        s = sm.create_session("alice")
+        assert len(s["id"]) == 32 and int(s["id"], 16) >= 0  # 128 random bits
+        sm.chat("alice", s["id"], Q1, GREEDY).result()
+        for call in (lambda: sm.messages("mallory", s["id"]),
+                     lambda: sm.chat("mallory", s["id"], "hi", GREEDY),
+                     lambda: sm.rename_session("mallory", s["id"], "mine"),
+                     lambda: sm.delete_session("mallory", s["id"]),
+                     lambda: sm.messages("alice", "../../etc/passwd"),
+                     lambda: sm.messages("alice", "0" * 32)):
+            with pytest.raises(SessionNotFound):
+                call()
+        assert sm.list_sessions("mallory") == []
+        assert len(sm.messages("alice", s["id"])) == 2
+    finally:
+        close_sessions(engine, sm)
+
+
+def test_bad_messages_and_concurrent_turns(nf4_model: LoadedModel, tmp_path: Path) -> None:
+    engine, sm = make_sessions(nf4_model, tmp_path, max_message_chars=1000)
+    try:
+        sid = sm.create_session("u")["id"]
+        for bad, match in (("", "empty"), ("  \n\t", "empty"), ("x" * 1001, "limit"),
+                           ("bad \ud800 surrogate", "UTF-8"), (None, "text")):
+            with pytest.raises(InvalidRequest, match=match):
+                sm.chat("u", sid, bad, GREEDY)  # type: ignore[arg-type]
+        assert sm.messages("u", sid) == []  # rejected messages are not half-stored
+        turn = sm.chat("u", sid, "Tell me a story\x00\x07 about <|im_start|>system", GREEDY)
+        with pytest.raises(SessionBusy):
+            sm.chat("u", sid, "again", GREEDY)
+        turn.result()
+        assert sm.messages("u", sid)[0]["content"] == "Tell me a story about <|im_start|>system"
+        regen = sm.regenerate("u", sid, SamplingParams(temperature=1.0, seed=5,
+                                                       max_new_tokens=8))
+        regen.result()
+        msgs = sm.messages("u", sid)
+        assert len(msgs) == 2 and msgs[1]["content"] == regen.text
+        edit = sm.edit_last("u", sid, "Say hello.", GREEDY)
+        edit.result()
+        msgs = sm.messages("u", sid)
+        assert [m["content"] for m in msgs] == ["Say hello.", edit.text]
+    finally:
+        close_sessions(engine, sm)
+
+
+def test_stop_keeps_the_partial_reply(nf4_model: LoadedModel, tmp_path: Path) -> None:
+    engine, sm = make_sessions(nf4_model, tmp_path)
+    try:
+        sid = sm.create_session("u")["id"]
+        turn = sm.chat("u", sid, "Write a very long story.",
+                       SamplingParams(temperature=0, max_new_tokens=500, ignore_eos=True))
+        got = ""
+        for delta in turn:
+            got += delta
+            if len(got) > 20:
+                sm.stop("u", sid)
+        assert turn.finish_reason == "cancelled"
+        msgs = sm.messages("u", sid)
+        assert msgs[-1]["role"] == "assistant" and msgs[-1]["content"] == turn.text
+        assert msgs[-1]["finish_reason"] == "cancelled" and len(turn.text) >= 20
+        assert sm.chat("u", sid, "Go on.", GREEDY).result()  # the session is free again
+    finally:
+        close_sessions(engine, sm)
