@@ -81,7 +81,7 @@ class ModelRunner:
         out = self.model(
             input_ids=torch.tensor([ids], device=dev),
             position_ids=torch.tensor([pos], device=dev),
-            logits_to_keep=torch.tensor(rows, device=dev),
+            logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev),
             use_cache=False,
             crowdchat=meta,
         )

@@ -106,3 +106,26 @@ def test_nf4_batched_logits_match_solo_within_tolerance(
     assert torch.equal(dec_batched.argmax(-1), dec_solo.argmax(-1))
     assert ((dec_batched - dec_solo).abs() / spread).max() < 0.1
     engine.check_integrity()
+
+
+def test_fp32_chunked_prefill_changes_nothing(fp32_model: LoadedModel, tmp_path: Path) -> None:
+    """A prompt prefilled in 64-token chunks while another user decodes gives the same
+    greedy reply as the same prompt prefilled at once."""
+    formatter = ChatFormatter(fp32_model.tokenizer)
+    long_prompt = formatter.encode([{"role": "user", "content": " ".join(QUESTIONS) * 2}])
+    assert len(long_prompt) > 200
+    whole = make_engine(fp32_model, tmp_path)
+    try:
+        expected = whole.generate([long_prompt], GREEDY)[0]
+    finally:
+        whole.shutdown()
+    chunked = make_engine(fp32_model, tmp_path, max_num_batched_tokens=64)
+    try:
+        other = chunked.submit(prompts(formatter)[0], SamplingParams(
+            temperature=0, max_new_tokens=40, ignore_eos=True))
+        next(iter(other))  # decoding while the long prompt is chunked in
+        assert chunked.generate([long_prompt], GREEDY)[0] == expected
+        other.result()
+        assert chunked.stats().steps > len(long_prompt) // 64
+    finally:
+        chunked.shutdown()

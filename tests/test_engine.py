@@ -221,3 +221,16 @@ def test_stats_report_latencies_and_throughput(
     assert s.ttft_p50_s and s.ttft_p50_s > 0 and s.itl_p50_s and s.itl_p95_s >= s.itl_p50_s
     assert s.tokens_per_s > 0 and s.generated_tokens_total >= 4
     assert s.blocks_total == s.blocks_used + s.blocks_free
+
+
+def test_a_long_prompt_alone_is_prefilled_in_chunks(
+    nf4_model: LoadedModel, formatter: ChatFormatter, tmp_path: Path
+) -> None:
+    engine = make_engine(nf4_model, tmp_path, max_num_batched_tokens=32)
+    try:
+        p = ask(formatter, "Please summarize: " + "the quick brown fox jumps. " * 30)
+        h = engine.submit(p, GREEDY)
+        assert h.result() and h.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        assert engine.stats().steps >= len(p) // 32
+    finally:
+        engine.shutdown()
