@@ -9,6 +9,7 @@ import os
 import re
 import struct
 import tempfile
+import zlib
 from pathlib import Path
 
 import safetensors
@@ -19,7 +20,7 @@ from engine.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
-FORMAT = "crowdchat-kv-1"
+FORMAT = "crowdchat-kv-2"
 SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 _SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -40,11 +41,15 @@ def token_hash(token_ids: list[int]) -> str:
 
 
 def kv_hash(k: torch.Tensor, v: torch.Tensor) -> str:
-    """sha256 (hex) of K's then V's raw bytes, to catch corruption of the tensor data."""
-    digest = hashlib.sha256()
+    """CRC-32 (hex) of K's then V's raw bytes, to catch corruption of the tensor data.
+
+    A checksum, not a cryptographic hash: it guards against torn or flipped bytes, and at
+    ~6.7 GB/s (sha256: ~2 GB/s) it keeps a 2000-token restore's check at ~7 ms.
+    """
+    crc = 0
     for t in (k, v):
-        digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
+        crc = zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -91,7 +96,7 @@ class SnapshotFiles:
             "format": FORMAT,
             "fingerprint": json.dumps(fingerprint, sort_keys=True),
             "token_hash": token_hash(token_ids),
-            "kv_sha256": kv_hash(k, v),
+            "kv_crc32": kv_hash(k, v),
         }
         data = save(tensors, metadata=metadata)
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{session_id}.", suffix=TEMP_SUFFIX)
@@ -191,6 +196,6 @@ def _damaged(
         return f"K/V shape {tuple(k.shape)} does not match the fingerprint"
     if token_hash(ids.tolist()) != metadata["token_hash"]:
         return "stored token ids do not match their hash (corrupted)"
-    if kv_hash(k, v) != metadata["kv_sha256"]:
+    if kv_hash(k, v) != metadata["kv_crc32"]:
         return "K/V data do not match their hash (corrupted)"
     return None
