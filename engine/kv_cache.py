@@ -77,12 +77,13 @@ class KVCache:
     def export(self, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the KV of a sequence's first `num_tokens` tokens to CPU.  # 2 x [L, T, H_kv, D]"""
         idx = self.slots(block_table, 0, num_tokens)
-        k = self.data[0][:, :, idx].transpose(1, 2).to("cpu", copy=True).contiguous()
-        v = self.data[1][:, :, idx].transpose(1, 2).to("cpu", copy=True).contiguous()
+        k = self.data[0].index_select(2, idx).transpose(1, 2).to("cpu").contiguous()
+        v = self.data[1].index_select(2, idx).transpose(1, 2).to("cpu").contiguous()
         return k, v
 
     def load(self, block_table: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Write exported KV (`[L, T, H_kv, D]` each) into the given blocks."""
         idx = self.slots(block_table, 0, k.shape[1])
-        self.data[0][:, :, idx] = k.transpose(1, 2).to(self.data.device, self.data.dtype)
-        self.data[1][:, :, idx] = v.transpose(1, 2).to(self.data.device, self.data.dtype)
+        dev, dt = self.data.device, self.data.dtype
+        self.data[0].index_copy_(2, idx, k.to(dev, dt).transpose(1, 2))
+        self.data[1].index_copy_(2, idx, v.to(dev, dt).transpose(1, 2))
