@@ -345,8 +345,10 @@ class Engine:
             if seq.first_token_at is None:
                 seq.first_token_at = now
                 self.metrics.ttft.append(now - seq.arrival)
+                self.metrics.ttft_hist.observe(now - seq.arrival)
             else:
                 self.metrics.itl.append(now - seq.last_token_at)
+                self.metrics.itl_hist.observe(now - seq.last_token_at)
         seq.last_token_at = now
         reason = None
         if token in self.runner.stop_ids and not p.ignore_eos:

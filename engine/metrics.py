@@ -11,6 +11,33 @@ import numpy as np
 
 WINDOW_S = 10.0  # tokens/s is measured over this trailing window
 SAMPLES = 2048  # latency samples kept for percentiles
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Histogram:
+    """Cumulative latency buckets (Prometheus style) that never forget, unlike the samples."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # last: +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        for i, b in enumerate(self.bounds):
+            if value <= b:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """[(upper bound, observations <= it)], ending with '+Inf'."""
+        out, total = [], 0
+        for b, c in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            total += c
+            out.append((b, total))
+        return out
 
 
 @dataclass(frozen=True)
@@ -57,6 +84,8 @@ class Metrics:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.ttft: deque[float] = deque(maxlen=SAMPLES)
+        self.ttft_hist = Histogram(TTFT_BUCKETS)
+        self.itl_hist = Histogram(ITL_BUCKETS)
         self.itl: deque[float] = deque(maxlen=SAMPLES)
         self.step_ms: deque[float] = deque(maxlen=256)
         self.token_times: deque[tuple[float, int]] = deque()

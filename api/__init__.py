@@ -1,0 +1,1 @@
+"""crowdchat's HTTP API: OpenAI-compatible chat completions and Prometheus metrics."""

@@ -1,0 +1,156 @@
+"""Parse an OpenAI chat-completions body into messages and SamplingParams, field by field."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from api.errors import ApiError
+from engine import InvalidRequest, SamplingParams
+
+DEFAULT_MAX_TOKENS = 256
+GREEDY_BELOW = 1e-5  # smaller temperatures overflow the logits; treat them as greedy
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user",
+                "assistant": "assistant"}
+# The engine names its fields differently; its messages should use the names the client sent.
+ENGINE_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A validated chat request: the conversation, how to sample, and how to answer."""
+
+    messages: list[dict[str, str]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+def parse_json_object(raw: bytes, required: bool = True) -> dict:
+    """The body as a JSON object; an empty body is `{}` unless `required`."""
+    if not raw.strip() and not required:
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    return body
+
+
+def _field(body: dict, name: str, kind: str) -> object:
+    """body[name] if present and not null, checked against `kind` (number/integer/bool/str)."""
+    v = body.get(name)
+    if v is None:
+        return None
+    ok = {
+        "number": isinstance(v, (int, float)) and not isinstance(v, bool)
+        and math.isfinite(v),
+        "integer": isinstance(v, int) and not isinstance(v, bool),
+        "bool": isinstance(v, bool),
+        "str": isinstance(v, str),
+    }[kind]
+    if not ok:
+        article = "an" if kind == "integer" else "a"
+        what = "boolean" if kind == "bool" else "string" if kind == "str" else kind
+        raise ApiError(f"{name} must be {article} {what}, got {v!r}"[:200], param=name)
+    return v
+
+
+def _content(m: dict, i: int) -> str:
+    content = m.get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and m.get("role") == "assistant":
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise ApiError("only text content parts ({\"type\": \"text\", \"text\": ...}) "
+                               "are supported", param=f"messages[{i}].content")
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise ApiError("message content must be a string or a list of text parts",
+                   param=f"messages[{i}].content")
+
+
+def parse_messages(body: dict) -> list[dict[str, str]]:
+    """`messages` as [{role, content}] with roles system/user/assistant and text content."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ApiError("each message must be an object", param=f"messages[{i}]")
+        role = ROLE_ALIASES.get(m.get("role")) if isinstance(m.get("role"), str) else None
+        if role is None:
+            raise ApiError(f"message role must be system, user or assistant, got "
+                           f"{m.get('role')!r}"[:200], param=f"messages[{i}].role")
+        out.append({"role": role, "content": _content(m, i)})
+    return out
+
+
+def parse_params(body: dict, max_model_len: int) -> SamplingParams:
+    """SamplingParams from the OpenAI fields plus vLLM's ignore_eos / min_tokens / top_k."""
+    n = _field(body, "n", "integer")
+    if n not in (None, 1):
+        raise ApiError("only n=1 is supported", param="n")
+    if _field(body, "logprobs", "bool"):
+        raise ApiError("logprobs are not supported", param="logprobs")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = _field(body, name, "integer")
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    elif max_tokens < 1:
+        raise ApiError(f"{name} must be at least 1, got {max_tokens}", param=name)
+    temperature = _field(body, "temperature", "number")
+    temperature = 1.0 if temperature is None else temperature
+    if 0 < temperature < GREEDY_BELOW:
+        temperature = 0.0
+    top_k = _field(body, "top_k", "integer") or 0
+    seed = _field(body, "seed", "integer")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ApiError("seed must fit in 64 bits", param="seed")
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop = tuple(stop)
+    elif not isinstance(stop, str):
+        raise ApiError("stop must be a string or a list of strings", param="stop")
+    top_p = _field(body, "top_p", "number")
+    try:
+        return SamplingParams(
+            temperature=temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=0 if top_k == -1 else top_k,  # vLLM spells "no top-k" as -1
+            max_new_tokens=min(max_tokens, max_model_len),
+            min_new_tokens=_field(body, "min_tokens", "integer") or 0,
+            stop=stop,
+            seed=seed,
+            ignore_eos=bool(_field(body, "ignore_eos", "bool")),
+        )
+    except InvalidRequest as e:
+        message = str(e)
+        for engine_name, api_name in ENGINE_NAMES.items():
+            message = message.replace(engine_name, api_name)
+        first = message.split(" ", 1)[0]
+        raise ApiError(message, param=first if first in body else None) from None
+
+
+def parse_chat_request(body: dict, max_model_len: int) -> ChatRequest:
+    """A ChatRequest from a decoded JSON body, or ApiError naming the offending field."""
+    stream = bool(_field(body, "stream", "bool"))
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ApiError("stream_options must be an object", param="stream_options")
+    include_usage = bool(_field(options or {}, "include_usage", "bool"))
+    return ChatRequest(parse_messages(body), parse_params(body, max_model_len), stream,
+                       include_usage)
