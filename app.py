@@ -1,107 +1,132 @@
-"""crowdchat: many people chatting with one shared, quantized model. Composition root."""
+"""crowdchat: many people chatting with one shared, quantized model. Composition root:
+flags -> engine -> session manager -> chat page, admin page, OpenAI API, metrics -> serve."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import secrets
 import sys
-from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
-from engine import CrowdchatError, Engine, EngineConfig, SamplingParams
-from engine.chat_format import ChatFormatter
-from engine.errors import ModelLoadError
+import gradio as gr
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+
+from api.metrics import build_metrics_router
+from api.openai_api import build_router
+from engine import CrowdchatError, Engine, EngineConfig
+from engine.config import env_default
+from sessions import SessionConfig, SessionManager
+from ui.admin_page import build_admin_blocks
+from ui.auth import admin_checker, users_checker
+from ui.chat_blocks import build_chat_blocks
+from ui.chat_page import ChatPage
+from ui.monitor import Monitor
 
 log = logging.getLogger("crowdchat")
-MAX_MESSAGE_CHARS = 32_000
+STATIC = Path(__file__).resolve().parent / "static"
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """How the server is reached and who may use which page."""
+
+    host: str = "127.0.0.1"
+    port: int = 7860
+    auth_file: Path | None = None
+    admin_password: str | None = None
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("server")
+        g.add_argument("--host", default=env_default("host", "127.0.0.1"))
+        g.add_argument("--port", type=int, default=env_default("port", 7860))
+        g.add_argument("--auth", dest="auth_file", type=Path, default=env_default("auth", None),
+                       help="users file (python -m ui.auth FILE NAME adds a user); without "
+                            "it every browser is its own anonymous user")
+        g.add_argument("--admin-password", default=env_default("admin_password", None),
+                       help="enables /admin (user 'admin'); without it /admin is disabled")
+
+
+def browser_secret(data_dir: Path) -> str:
+    """The key that encrypts each browser's stored identity; kept so ids survive restarts."""
+    path = data_dir / "browser.secret"
+    if not path.is_file():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+def build_app(engine: Engine, sessions: SessionManager, config: AppConfig,
+              data_dir: Path) -> tuple[FastAPI, Monitor]:
+    """One FastAPI server: API and metrics routes, /admin and the chat page at /."""
+    app = FastAPI(title="crowdchat", docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(build_router(engine, sessions, engine.loaded.model_id))
+    app.include_router(build_metrics_router(engine, sessions))
+    monitor = Monitor(engine, sessions)
+    css = [STATIC / "crowdchat.css"]
+    if config.admin_password:
+        app = gr.mount_gradio_app(app, build_admin_blocks(monitor, sessions), path="/admin",
+                                  auth=admin_checker(config.admin_password),
+                                  auth_message="crowdchat admin: user 'admin'",
+                                  css_paths=css, theme="soft", show_error=False)
+    else:
+        @app.get("/admin")
+        @app.get("/admin/{rest:path}")
+        def admin_disabled(rest: str = "") -> PlainTextResponse:
+            return PlainTextResponse("the admin page is disabled: start the server with "
+                                     "--admin-password", status_code=404)
+    page = ChatPage(sessions, auth_enabled=config.auth_file is not None,
+                    browser_secret=browser_secret(data_dir))
+    chat = build_chat_blocks(page, concurrency=engine.config.max_num_seqs)
+    chat.queue(default_concurrency_limit=engine.config.max_num_seqs,
+               max_size=engine.config.max_queue + engine.config.max_num_seqs)
+    app = gr.mount_gradio_app(
+        app, chat, path="", css_paths=css, theme="soft", show_error=False,
+        auth=users_checker(config.auth_file) if config.auth_file else None)
+    return app, monitor
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="crowdchat: one model, a whole crowd of users")
     EngineConfig.add_arguments(ap)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=7860)
-    ap.add_argument("--cli", action="store_true", help="chat in the terminal instead of a page")
+    SessionConfig.add_arguments(ap)
+    AppConfig.add_arguments(ap)
     return ap.parse_args(argv)
-
-
-def to_text(content: object) -> str:
-    """Gradio history content as plain text (files and components are not chat text)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return ""
-
-
-def reply_stream(engine: Engine, formatter: ChatFormatter, messages: list[dict[str, str]],
-                 params: SamplingParams) -> Iterator[str]:
-    """Yield the reply as it grows; cancel generation if the consumer goes away."""
-    handle = engine.submit(formatter.encode(messages), params)
-    text = ""
-    try:
-        for delta in handle:
-            text += delta
-            yield text
-    finally:
-        handle.cancel()  # no-op when finished; frees the blocks when the user pressed Stop
-
-
-def run_cli(engine: Engine, formatter: ChatFormatter) -> None:
-    history: list[dict[str, str]] = []
-    print("crowdchat CLI: type a message, empty line to quit.")
-    for line in sys.stdin:
-        if not line.strip():
-            break
-        history.append({"role": "user", "content": line.rstrip("\n")})
-        text = ""
-        for text in reply_stream(engine, formatter, history, SamplingParams(temperature=0.7)):
-            pass
-        print(text, flush=True)
-        history.append({"role": "assistant", "content": text})
-
-
-def build_page(engine: Engine, formatter: ChatFormatter):  # noqa: ANN201 - gradio Blocks
-    import gradio as gr
-
-    def respond(message: str, history: list[dict]) -> Iterator[str]:
-        if not message or not message.strip():
-            raise gr.Error("Please type a message first.")
-        if len(message) > MAX_MESSAGE_CHARS:
-            raise gr.Error(f"That message is too long ({len(message)} characters; "
-                           f"the limit is {MAX_MESSAGE_CHARS}).")
-        msgs = [{"role": m["role"], "content": to_text(m["content"])} for m in history
-                if m.get("role") in ("user", "assistant")]
-        msgs.append({"role": "user", "content": message})
-        try:
-            yield from reply_stream(engine, formatter, msgs, SamplingParams(temperature=0.7,
-                                                                            top_p=0.9))
-        except CrowdchatError as e:
-            raise gr.Error(str(e)) from e
-
-    demo = gr.ChatInterface(respond, title="crowdchat", concurrency_limit=None)
-    demo.queue(default_concurrency_limit=engine.config.max_num_seqs,
-               max_size=engine.config.max_queue)
-    return demo
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     args = parse_args(argv)
     try:
-        engine = Engine(EngineConfig.from_namespace(args))
-    except (ModelLoadError, CrowdchatError) as e:
+        engine_config = EngineConfig.from_namespace(args)
+        session_config = SessionConfig.from_namespace(args)
+        app_config = AppConfig(args.host, args.port, args.auth_file, args.admin_password)
+        engine = Engine(engine_config)
+    except CrowdchatError as e:
         sys.exit(f"crowdchat: {e}")
     s = engine.stats()
     log.info("model %.1f MB; KV pool %.1f MB = %d blocks x %d tokens (%d tokens, %d bytes/token)",
              s.model_bytes / 2**20, s.kv_bytes / 2**20, s.blocks_total, s.block_size,
              s.blocks_total * s.block_size, s.kv_bytes_per_token)
-    formatter = ChatFormatter(engine.tokenizer)
+    sessions = SessionManager(engine, session_config, engine_config.data_dir)
     try:
-        if args.cli:
-            run_cli(engine, formatter)
-        else:
-            build_page(engine, formatter).launch(server_name=args.host, server_port=args.port)
+        app, monitor = build_app(engine, sessions, app_config, engine_config.data_dir)
+        print(f"crowdchat: chat on http://{args.host}:{args.port}/"
+              + (f" · admin on http://{args.host}:{args.port}/admin"
+                 if args.admin_password else ""), flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        monitor.stop()
+    except CrowdchatError as e:
+        sys.exit(f"crowdchat: {e}")
     finally:
+        sessions.shutdown()
         engine.shutdown()
 
 

@@ -41,18 +41,16 @@ def parse_json_object(raw: bytes, required: bool = True) -> dict:
     return body
 
 
-def _field(body: dict, name: str, kind: str) -> object:
+def typed_field(body: dict, name: str, kind: str) -> object:
     """body[name] if present and not null, checked against `kind` (number/integer/bool/str)."""
     v = body.get(name)
     if v is None:
         return None
-    ok = {
-        "number": isinstance(v, (int, float)) and not isinstance(v, bool)
-        and math.isfinite(v),
-        "integer": isinstance(v, int) and not isinstance(v, bool),
-        "bool": isinstance(v, bool),
-        "str": isinstance(v, str),
-    }[kind]
+    is_int = isinstance(v, int) and not isinstance(v, bool)
+    if kind == "number":  # huge ints would overflow the engine's float checks
+        ok = (isinstance(v, float) and math.isfinite(v)) or (is_int and abs(v) < 1e300)
+    else:
+        ok = {"integer": is_int, "bool": isinstance(v, bool), "str": isinstance(v, str)}[kind]
     if not ok:
         article = "an" if kind == "integer" else "a"
         what = "boolean" if kind == "bool" else "string" if kind == "str" else kind
@@ -98,24 +96,24 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
 
 def parse_params(body: dict, max_model_len: int) -> SamplingParams:
     """SamplingParams from the OpenAI fields plus vLLM's ignore_eos / min_tokens / top_k."""
-    n = _field(body, "n", "integer")
+    n = typed_field(body, "n", "integer")
     if n not in (None, 1):
         raise ApiError("only n=1 is supported", param="n")
-    if _field(body, "logprobs", "bool"):
+    if typed_field(body, "logprobs", "bool"):
         raise ApiError("logprobs are not supported", param="logprobs")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
-    max_tokens = _field(body, name, "integer")
+    max_tokens = typed_field(body, name, "integer")
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     elif max_tokens < 1:
         raise ApiError(f"{name} must be at least 1, got {max_tokens}", param=name)
-    temperature = _field(body, "temperature", "number")
+    temperature = typed_field(body, "temperature", "number")
     temperature = 1.0 if temperature is None else temperature
     if 0 < temperature < GREEDY_BELOW:
         temperature = 0.0
-    top_k = _field(body, "top_k", "integer") or 0
-    seed = _field(body, "seed", "integer")
+    top_k = typed_field(body, "top_k", "integer") or 0
+    seed = typed_field(body, "seed", "integer")
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise ApiError("seed must fit in 64 bits", param="seed")
     stop = body.get("stop")
@@ -125,17 +123,17 @@ def parse_params(body: dict, max_model_len: int) -> SamplingParams:
         stop = tuple(stop)
     elif not isinstance(stop, str):
         raise ApiError("stop must be a string or a list of strings", param="stop")
-    top_p = _field(body, "top_p", "number")
+    top_p = typed_field(body, "top_p", "number")
     try:
         return SamplingParams(
             temperature=temperature,
             top_p=1.0 if top_p is None else top_p,
             top_k=0 if top_k == -1 else top_k,  # vLLM spells "no top-k" as -1
             max_new_tokens=min(max_tokens, max_model_len),
-            min_new_tokens=_field(body, "min_tokens", "integer") or 0,
+            min_new_tokens=typed_field(body, "min_tokens", "integer") or 0,
             stop=stop,
             seed=seed,
-            ignore_eos=bool(_field(body, "ignore_eos", "bool")),
+            ignore_eos=bool(typed_field(body, "ignore_eos", "bool")),
         )
     except InvalidRequest as e:
         message = str(e)
@@ -147,10 +145,10 @@ def parse_params(body: dict, max_model_len: int) -> SamplingParams:
 
 def parse_chat_request(body: dict, max_model_len: int) -> ChatRequest:
     """A ChatRequest from a decoded JSON body, or ApiError naming the offending field."""
-    stream = bool(_field(body, "stream", "bool"))
+    stream = bool(typed_field(body, "stream", "bool"))
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ApiError("stream_options must be an object", param="stream_options")
-    include_usage = bool(_field(options or {}, "include_usage", "bool"))
+    include_usage = bool(typed_field(options or {}, "include_usage", "bool"))
     return ChatRequest(parse_messages(body), parse_params(body, max_model_len), stream,
                        include_usage)

@@ -51,14 +51,14 @@ def error_body(exc: BaseException) -> tuple[int, dict]:
         status, type_, param, code = exc.status, exc.type, exc.param, exc.code
         message = str(exc)
     else:
-        for cls, status, type_, code in _MAPPING:
-            if isinstance(exc, cls):
-                message, param = str(exc), None
-                break
-        else:
+        match = next((m for m in _MAPPING if isinstance(exc, m[0])), None)
+        param = None
+        if match is None:
             log.error("unexpected error serving a request", exc_info=exc)
-            status, type_, code, param = 500, "server_error", None, None
-            message = "internal server error"
+            status, type_, code, message = 500, "server_error", None, "internal server error"
+        else:
+            _cls, status, type_, code = match
+            message = str(exc)
     return status, {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 

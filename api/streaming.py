@@ -74,4 +74,7 @@ class DeltaStream:
         finally:
             close = getattr(self._deltas, "close", None)
             if close is not None:
-                close()  # a generator's cleanup (a session turn commits its reply) runs now
+                try:
+                    close()  # a generator's cleanup (a session turn commits its reply) runs now
+                except Exception:  # noqa: BLE001 - the reply is already on its way
+                    log.exception("closing a reply stream failed")

@@ -7,11 +7,14 @@ import torch
 from engine.sequence import Sequence
 
 
+GREEDY_BELOW = 1e-5
+
+
 def _rng(seq: Sequence) -> torch.Generator:
     if seq.rng is None:
         g = torch.Generator(device="cpu")
         if seq.params.seed is not None:
-            g.manual_seed(seq.params.seed)
+            g.manual_seed(seq.params.seed & 0xFFFF_FFFF_FFFF_FFFF)  # any int is a valid seed
         else:
             g.seed()
         seq.rng = g
@@ -28,8 +31,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int]) -> l
     out = logits.argmax(dim=-1).tolist()
     for i, seq in enumerate(seqs):
         p = seq.params
-        if p.temperature == 0:
-            continue
+        if p.temperature < GREEDY_BELOW:
+            continue  # tiny temperatures would overflow the logits: they mean greedy
         row = logits[i].to("cpu") / p.temperature  # [V]
         if p.top_k:
             kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]

@@ -71,6 +71,7 @@ class SessionManager:
                                    int(config.kv_host_budget_mb * 2**20),
                                    int(config.kv_disk_budget_mb * 2**20), self._set_state)
         self._active: dict[str, ChatTurn | None] = {}  # session id -> its running turn
+        self.recomputes = 0  # turns whose earlier KV was gone and had to be recomputed
         self._active_lock = threading.Lock()
         self._recover()
         engine.set_memory_pressure_hook(
@@ -177,6 +178,18 @@ class SessionManager:
             raise
         return self._start(sid, prompt, params, release)
 
+    def prefetch(self, owner: str, sid: str) -> None:
+        """The user opened this conversation: bring its KV back while they type."""
+        if self.get_session(owner, sid)["state"] == "persisted" and not self._is_busy(sid):
+            threading.Thread(target=self._prefetch, args=(sid,), daemon=True).start()
+
+    def _prefetch(self, sid: str) -> None:
+        try:
+            if self.offload.restore(sid) in ("host", "disk"):
+                self._set_state(sid, "resident")
+        except Exception:  # noqa: BLE001 - a failed prefetch only costs the turn a restore
+            log.exception("prefetch of session %s failed", sid)
+
     def stop(self, owner: str, sid: str) -> None:
         """Stop the session's reply; the part already produced is kept."""
         self.get_session(owner, sid)
@@ -264,6 +277,7 @@ class SessionManager:
     def _start(self, sid: str, prompt: list[int], params: SamplingParams,
                release) -> ChatTurn:  # noqa: ANN001
         turn = ChatTurn(self, sid, prompt, params, release)
+        turn.had_kv = (self.store.get_session(sid) or {}).get("token_count", 0) > 0
         self._active[sid] = turn
         self.store.update_session(sid, state="active", last_active=time.time())
         return turn

@@ -42,6 +42,7 @@ class KVOffloader:
         self.on_state = on_state  # (session id, new state): the manager records it
         self.host: OrderedDict[str, KVExport] = OrderedDict()  # LRU first
         self.lock = threading.Lock()  # guards `host`; never held while waiting on others
+        self._restoring: dict[str, threading.Lock] = {}  # one restore per session at a time
         self.last_error: str | None = None
         self.restores = {"host": 0, "disk": 0}
         self.persists = 0
@@ -85,6 +86,12 @@ class KVOffloader:
     def restore(self, sid: str) -> str:
         """Make the session's KV resident if it is anywhere: 'resident', 'host', 'disk', or
         'cold' when nothing valid exists (the engine then recomputes the prefix)."""
+        with self.lock:
+            gate = self._restoring.setdefault(sid, threading.Lock())
+        with gate:  # a prefetch and the turn itself never load the same file twice
+            return self._restore(sid)
+
+    def _restore(self, sid: str) -> str:
         if sid in self.engine.resident_kv():
             return "resident"
         with self.lock:

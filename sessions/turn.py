@@ -37,6 +37,7 @@ class ChatTurn:
         self._cancelled = False
         self._release = release
         self._started = False
+        self.had_kv = False  # the session had KV before this turn (cold means recompute)
 
     def queue_position(self) -> int | None:
         """Requests ahead of this one while it waits; None otherwise."""
@@ -55,6 +56,8 @@ class ChatTurn:
         self._started = True
         try:
             self.restored_from = self.manager.offload.restore(self.session_id)
+            if self.restored_from == "cold" and self.had_kv:
+                self.manager.recomputes += 1
             if self._cancelled:
                 self.finish_reason = "cancelled"
                 return

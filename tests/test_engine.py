@@ -234,3 +234,16 @@ def test_a_long_prompt_alone_is_prefilled_in_chunks(
         assert engine.stats().steps >= len(p) // 32
     finally:
         engine.shutdown()
+
+
+def test_extreme_sampling_values_do_not_crash_the_batch(
+    nf4_engine: Engine, formatter: ChatFormatter
+) -> None:
+    p = ask(formatter, "Hi")
+    bystander = nf4_engine.submit(p, GREEDY)
+    odd = [nf4_engine.submit(p, SamplingParams(temperature=1e-30, max_new_tokens=4)),
+           nf4_engine.submit(p, SamplingParams(seed=2**80, max_new_tokens=4)),
+           nf4_engine.submit(p, SamplingParams(seed=-5, max_new_tokens=4))]
+    for h in [bystander, *odd]:
+        h.result()
+        assert h.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)

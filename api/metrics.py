@@ -1,0 +1,107 @@
+"""Prometheus metrics, read from the engine and the session manager at scrape time."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from engine import Engine
+from engine.metrics import Histogram
+from sessions import SessionManager
+
+log = logging.getLogger(__name__)
+SESSION_STATES = ("active", "resident", "persisted", "cold")
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"crowdchat_{name}", doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"crowdchat_{name}", doc, value=value)
+
+
+def _histogram(name: str, doc: str, hist: Histogram) -> HistogramMetricFamily:
+    return HistogramMetricFamily(f"crowdchat_{name}", doc, buckets=hist.cumulative(),
+                                 sum_value=hist.sum)
+
+
+class CrowdchatCollector(Collector):
+    """Reads the engine's stats and histograms and the sessions' states on every scrape, so
+    the numbers are never a second copy that could drift from the engine's own."""
+
+    def __init__(self, engine: Engine, sessions: SessionManager) -> None:
+        self.engine = engine
+        self.sessions = sessions
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.stats()
+        yield _counter("requests_finished", "Requests that ended (stop, length, cancel)",
+                       s.requests_finished)
+        yield _counter("requests_failed", "Requests that ended with an error", s.requests_failed)
+        yield _counter("requests_rejected", "Requests refused because the queue was full",
+                       s.requests_rejected)
+        yield _counter("prompt_tokens", "Prompt tokens prefilled", s.prompt_tokens_total)
+        yield _counter("generated_tokens", "Tokens generated", s.generated_tokens_total)
+        yield _counter("preemptions", "Running requests preempted for KV space", s.preemptions)
+        yield _gauge("running_requests", "Requests in the running batch", s.running)
+        yield _gauge("queue_length", "Requests waiting to be admitted", s.waiting)
+        yield _gauge("kv_blocks_used", "KV pool blocks in use", s.blocks_used)
+        yield _gauge("kv_blocks_free", "KV pool blocks free", s.blocks_free)
+        yield _gauge("kv_blocks_total", "KV pool blocks in all", s.blocks_total)
+        yield _gauge("tokens_per_second", "Generated tokens per second, recent window",
+                     s.tokens_per_s)
+        yield _gauge("resident_sessions", "Sessions whose KV is resident in the pool",
+                     s.resident_owners)
+        m = self.engine.metrics
+        with m.lock:  # a consistent histogram: buckets and sum from the same moment
+            ttft = _histogram("ttft_seconds", "Time to first token", m.ttft_hist)
+            itl = _histogram("itl_seconds", "Time between generated tokens", m.itl_hist)
+        yield ttft
+        yield itl
+        yield from self._sessions()
+
+    def _sessions(self) -> Iterator[Metric]:
+        states = Counter(f.state for f in self.sessions.facts())
+        by_state = GaugeMetricFamily("crowdchat_sessions", "Sessions by state", labels=["state"])
+        for state in (*SESSION_STATES, *sorted(set(states) - set(SESSION_STATES))):
+            by_state.add_metric([state], states.get(state, 0))
+        yield by_state
+        offload = self.sessions.offload
+        restores = CounterMetricFamily("crowdchat_session_restores",
+                                       "Session KV restored into the pool, by source",
+                                       labels=["source"])
+        for source, n in sorted(offload.restores.items()):
+            restores.add_metric([source], n)
+        yield restores
+        yield _counter("session_persists", "Session KV snapshots written to disk",
+                       offload.persists)
+        yield _counter("session_persist_failures", "Session KV snapshots that failed to write",
+                       offload.failures)
+
+
+def build_metrics_router(engine: Engine, sessions: SessionManager) -> APIRouter:
+    """GET /metrics in Prometheus text format, from a registry private to this router."""
+    registry = CollectorRegistry()
+    registry.register(CrowdchatCollector(engine, sessions))
+    router = APIRouter()
+
+    # A plain `def`: FastAPI runs it in its thread pool, so the engine round trip that
+    # sessions.facts() makes never blocks the event loop.
+    @router.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return router

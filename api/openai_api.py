@@ -1,0 +1,184 @@
+"""OpenAI-compatible endpoints: models, server-side sessions and chat completions (SSE too)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from api.chat_request import ChatRequest, parse_chat_request, parse_json_object, typed_field
+from api.errors import ApiError, error_body, error_response
+from api.streaming import Delta, DeltaStream, End, Event, Failed
+from engine import Engine, RequestHandle
+from engine.chat_format import ChatFormatter
+from sessions import ChatTurn, SessionManager
+
+log = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 0.1  # how often a request that has sent nothing yet checks its client
+CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, logs show why
+
+
+def owner_of(request: Request) -> str:
+    """The caller's identity: a hash of its bearer token, or 'api:anonymous' without one."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return "api:anonymous"
+    return "api:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+def _handle(source: RequestHandle | ChatTurn) -> RequestHandle | None:
+    return source.handle if isinstance(source, ChatTurn) else source
+
+
+def _usage(source: RequestHandle | ChatTurn) -> dict:
+    handle = _handle(source)
+    prompt = handle.num_prompt_tokens if handle else 0
+    completion = handle.num_generated_tokens if handle else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _finish_reason(source: RequestHandle | ChatTurn) -> str:
+    # OpenAI knows stop and length; a reply stopped by its owner (cancelled) ended on purpose
+    return "length" if str(source.finish_reason) == "length" else "stop"
+
+
+async def _next_or_gone(stream: DeltaStream, request: Request) -> Event | None:
+    """The stream's next event, or None (and the request cancelled) if the client left."""
+    while True:
+        try:
+            return await asyncio.wait_for(stream.next(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            if await request.is_disconnected():
+                stream.cancel()
+                return None
+
+
+def build_router(engine: Engine, sessions: SessionManager, model_name: str) -> APIRouter:
+    """The /v1 routes over a running engine and session manager."""
+    router = APIRouter()
+    formatter = ChatFormatter(engine.tokenizer)
+    started = int(time.time())
+
+    def start(owner: str, sid: str | None, req: ChatRequest) -> RequestHandle | ChatTurn:
+        """Worker thread: submit a one-off conversation, or the new turn of a session."""
+        if sid is None:
+            return engine.submit(formatter.encode(req.messages), req.params)
+        last = req.messages[-1]
+        if last["role"] != "user":
+            sessions.get_session(owner, sid)  # an unknown session is a 404 before a 400
+            raise ApiError("with X-Session-Id the last message must be the user's new message "
+                           "(the server keeps the history)", param="messages")
+        return sessions.chat(owner, sid, last["content"], req.params)
+
+    @router.get("/v1/models")
+    async def list_models() -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": started, "owned_by": "crowdchat"}]})
+
+    @router.post("/v1/sessions")
+    async def create_session(request: Request) -> Response:
+        try:
+            body = parse_json_object(await request.body(), required=False)
+            title = typed_field(body, "title", "str") or ""
+            system_prompt = typed_field(body, "system_prompt", "str") or ""
+            row = await asyncio.to_thread(sessions.create_session, owner_of(request), title,
+                                          system_prompt)
+        except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style body
+            return error_response(e)
+        return JSONResponse({"id": row["id"], "object": "session",
+                             "created": int(row.get("created", time.time()))})
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        try:
+            req = parse_chat_request(parse_json_object(await request.body()),
+                                     engine.max_model_len)
+            source = await asyncio.to_thread(start, owner_of(request),
+                                             request.headers.get("x-session-id"), req)
+        except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style body
+            return error_response(e)
+        stream = DeltaStream(iter(source), source.cancel, "crowdchat-api-reply")
+        try:
+            return await _respond(request, req, source, stream, model_name)
+        except BaseException:  # the handler itself was cancelled (server shutdown)
+            stream.cancel()
+            raise
+
+    return router
+
+
+async def _respond(request: Request, req: ChatRequest, source: RequestHandle | ChatTurn,
+                   stream: DeltaStream, model_name: str) -> Response:
+    """The whole reply (non-streaming) or an SSE response, once the first event is known."""
+    # Wait for the first token before answering, so that errors found on the way
+    # (a full queue, a failed restore) still get their own HTTP status.
+    first = await _next_or_gone(stream, request)
+    if first is None:
+        return Response(status_code=CLIENT_GONE)
+    if isinstance(first, Failed):
+        return error_response(first.error)
+    meta = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()),
+            "model": model_name}
+    if req.stream:
+        return StreamingResponse(
+            _sse(stream, first, source, meta, req.include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    parts, event = [], first
+    while not isinstance(event, End):
+        if event is None:
+            return Response(status_code=CLIENT_GONE)
+        if isinstance(event, Failed):
+            return error_response(event.error)
+        parts.append(event.text)
+        event = await _next_or_gone(stream, request)
+    return JSONResponse({
+        **meta, "object": "chat.completion",
+        "choices": [{"index": 0, "logprobs": None, "finish_reason": _finish_reason(source),
+                     "message": {"role": "assistant", "content": "".join(parts)}}],
+        "usage": _usage(source),
+    })
+
+
+def _data(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _sse(stream: DeltaStream, first: Event, source: RequestHandle | ChatTurn, meta: dict,
+               include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: role chunk, content chunks, finish chunk, usage chunk, [DONE].
+
+    If the client disconnects, Starlette cancels this generator at its `await`, and the
+    `finally` cancels the request so its KV blocks are freed at the engine's next step.
+    """
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        return _data({**meta, "object": "chat.completion.chunk", **extra, "choices": [
+            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        event = first
+        while isinstance(event, Delta):
+            yield chunk({"content": event.text})
+            event = await stream.next()
+        if isinstance(event, Failed):
+            yield _data(error_body(event.error)[1])
+        else:
+            yield chunk({}, _finish_reason(source))
+            if include_usage:
+                yield _data({**meta, "object": "chat.completion.chunk", "choices": [],
+                             "usage": _usage(source)})
+        yield _data("[DONE]")
+    finally:
+        stream.cancel()

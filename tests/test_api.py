@@ -1,0 +1,246 @@
+"""The OpenAI-compatible API and /metrics over a real server, engine and session manager."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.chat_request import parse_params
+from api.metrics import build_metrics_router
+from api.openai_api import build_router
+from engine import SamplingParams
+from engine.loader import LoadedModel
+from tests.conftest import close_sessions, make_sessions
+
+MODEL = "smollm2-135m-instruct"
+HI = [{"role": "user", "content": "Say hello."}]
+LONG = {"model": MODEL, "messages": HI, "max_tokens": 2000, "ignore_eos": True}
+
+
+class LiveServer:
+    """A uvicorn server on a free loopback port, in a background thread."""
+
+    def __init__(self, engine: object, sessions: object) -> None:
+        self.engine, self.sessions = engine, sessions
+        app = FastAPI()
+        app.include_router(build_router(engine, sessions, MODEL))  # type: ignore[arg-type]
+        app.include_router(build_metrics_router(engine, sessions))  # type: ignore[arg-type]
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started, 20)
+
+    def client(self, key: str = "k1") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def owner(key: str) -> str:
+    return "api:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+@pytest.fixture(scope="module")
+def live(nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    engine, sessions = make_sessions(nf4_model, tmp_path_factory.mktemp("api"))
+    server = LiveServer(engine, sessions)
+    yield server
+    server.close()
+    close_sessions(engine, sessions)
+
+
+def test_params_are_clamped_and_translated() -> None:
+    p = parse_params({"max_tokens": 10**12, "top_k": -1, "temperature": 1e-9, "stop": "\n"}, 512)
+    assert p == SamplingParams(temperature=0.0, max_new_tokens=512, stop=("\n",))
+    assert parse_params({}, 4096).max_new_tokens == 256
+    assert parse_params({"max_completion_tokens": 7}, 4096).max_new_tokens == 7
+
+
+def test_openai_client_gets_replies_with_usage_and_streams(live: LiveServer) -> None:
+    client = live.client()
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=8, temperature=0)
+    assert r.object == "chat.completion" and r.model == MODEL
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens > 5 and 1 <= u.completion_tokens <= 8
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+    parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello."}]
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=8,
+        temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and 1 <= chunks[-1].usage.completion_tokens <= 8
+
+
+def test_max_tokens_is_honoured_with_ignore_eos(live: LiveServer) -> None:
+    r = live.client().chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=5, temperature=0,
+        extra_body={"ignore_eos": True, "min_tokens": 2, "top_k": 5})
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+def test_models_lists_the_model(live: LiveServer) -> None:
+    assert [m.id for m in live.client().models.list()] == [MODEL]
+
+
+def test_a_session_continues_across_requests_and_is_private(live: LiveServer) -> None:
+    auth = {"Authorization": "Bearer k1"}
+    created = httpx.post(f"{live.url}/v1/sessions", headers=auth).json()
+    assert created["object"] == "session"
+    sid, client = created["id"], live.client()
+    first = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a large animal."}],
+        max_tokens=6, temperature=0, extra_headers={"X-Session-Id": sid})
+    second = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Where does it live?"}],
+        max_tokens=6, temperature=0, extra_headers={"X-Session-Id": sid})
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+    msgs = live.sessions.messages(owner("k1"), sid)
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
+    assert msgs[3]["content"] == second.choices[0].message.content
+
+    # a turn still answering makes the next request on the session wait its turn: 409
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", headers={
+            **auth, "X-Session-Id": sid}, json={**LONG, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200
+        busy = httpx.post(f"{live.url}/v1/chat/completions", json={"messages": HI},
+                          headers={**auth, "X-Session-Id": sid}, timeout=30)
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "session_busy"
+
+    # someone else's session and a made-up one look exactly alike
+    bodies = []
+    for key, target in (("k2", sid), ("k1", "0" * 32)):
+        r = httpx.post(f"{live.url}/v1/chat/completions", json={"messages": HI}, timeout=30,
+                       headers={"Authorization": f"Bearer {key}", "X-Session-Id": target})
+        assert r.status_code == 404
+        bodies.append(r.json())
+    assert bodies[0] == bodies[1] and bodies[0]["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    ({"messages": []}, "messages"),
+    ({"messages": HI, "temperature": "hot"}, "temperature"),
+    ({"messages": HI, "temperature": 5}, "temperature"),
+    ({"messages": HI, "max_tokens": 0}, "max_tokens"),
+    ({"messages": HI, "n": 2}, "n"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+])
+def test_bad_requests_get_openai_style_400s(live: LiveServer, body: object,
+                                            param: str | None) -> None:
+    url = f"{live.url}/v1/chat/completions"
+    r = httpx.post(url, content=body, timeout=30) if isinstance(body, bytes) \
+        else httpx.post(url, json=body, timeout=30)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"] and "Traceback" not in error["message"]
+
+
+def test_a_full_queue_gets_429_and_a_waiting_client_that_leaves_is_dropped(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    engine, sessions = make_sessions(nf4_model, tmp_path, {"max_queue": 1, "max_num_seqs": 1})
+    server = LiveServer(engine, sessions)
+    url = f"{server.url}/v1/chat/completions"
+    try:
+        ids = sessions.formatter.encode(HI)
+        running = engine.submit(ids, SamplingParams(max_new_tokens=2000, ignore_eos=True))
+        wait_for(lambda: engine.stats().running == 1, 10)
+
+        outcome: list[object] = []
+
+        def wait_in_queue() -> None:  # gives up before its turn comes
+            try:
+                outcome.append(httpx.post(url, json=LONG, timeout=httpx.Timeout(30, read=1.5)))
+            except httpx.ReadTimeout as e:
+                outcome.append(e)
+        waiter = threading.Thread(target=wait_in_queue)
+        waiter.start()
+        wait_for(lambda: engine.stats().waiting == 1, 10)
+
+        sid = httpx.post(f"{server.url}/v1/sessions").json()["id"]
+        for headers in ({}, {"X-Session-Id": sid}):
+            r = httpx.post(url, json=LONG, headers=headers, timeout=30)
+            assert r.status_code == 429 and r.headers["Retry-After"]
+            assert r.json()["error"]["code"] == "server_busy"
+        waiter.join()
+        assert isinstance(outcome[0], httpx.ReadTimeout)
+        wait_for(lambda: engine.stats().waiting == 0, 5)  # its client left: cancelled
+        assert not running.done
+        running.cancel()
+        wait_for(lambda: engine.stats().running == 0, 5)
+        families = {f.name: f for f in text_string_to_metric_families(
+            httpx.get(f"{server.url}/metrics").text)}
+        assert families["crowdchat_requests_rejected"].samples[0].value == 2
+    finally:
+        server.close()
+        close_sessions(engine, sessions)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(live: LiveServer) -> None:
+    engine = live.engine
+    wait_for(lambda: engine.stats().running == 0, 5)
+    before = engine.stats()
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", f"{live.url}/v1/chat/completions",
+                           json={**LONG, "stream": True}) as r:
+            content = []
+            for line in r.iter_lines():
+                if '"content"' in line:
+                    content.append(line)
+                if len(content) >= 4:
+                    break
+            assert engine.stats().blocks_used > before.blocks_used
+    wait_for(lambda: engine.stats().running == 0
+             and engine.stats().blocks_used == before.blocks_used, 5)
+    assert engine.stats().requests_finished == before.requests_finished + 1
+
+
+def test_metrics_parse_and_show_latency_and_kv_blocks(live: LiveServer) -> None:
+    live.client().chat.completions.create(model=MODEL, messages=HI, max_tokens=3)
+    r = httpx.get(f"{live.url}/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    ttft = families["crowdchat_ttft_seconds"]
+    assert ttft.type == "histogram"
+    inf = [s for s in ttft.samples if s.name.endswith("_bucket") and s.labels["le"] == "+Inf"]
+    assert inf and inf[0].value >= 1
+    value = {n: families[f"crowdchat_kv_blocks_{n}"].samples[0].value
+             for n in ("used", "free", "total")}
+    assert value["total"] > 0 and value["used"] + value["free"] == value["total"]
+    assert families["crowdchat_generated_tokens"].samples[0].value >= 3
+    states = {s.labels["state"] for s in families["crowdchat_sessions"].samples}
+    assert {"active", "resident", "persisted", "cold"} <= states

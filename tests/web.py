@@ -1,0 +1,49 @@
+"""Run the real crowdchat server in-process on a free loopback port, for the web tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import uvicorn
+
+from app import AppConfig, build_app
+from engine.loader import LoadedModel
+from tests.conftest import close_sessions, make_sessions
+
+ADMIN_PASSWORD = "correct horse battery"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(loaded: LoadedModel, data_dir: Path, engine_overrides: dict | None = None,
+                   **app_overrides: object) -> Iterator[tuple[str, object, object]]:
+    """Yields (base url, engine, session manager) of a live server; stops it afterwards."""
+    engine, sm = make_sessions(loaded, data_dir, engine_overrides)
+    settings: dict[str, object] = {"admin_password": ADMIN_PASSWORD}
+    settings.update(app_overrides)
+    app, monitor = build_app(engine, sm, AppConfig(**settings), data_dir)  # type: ignore[arg-type]
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started and time.time() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", engine, sm
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        monitor.stop()
+        close_sessions(engine, sm)

@@ -1,0 +1,1 @@
+"""The Gradio pages: the chat page for everyone, the admin page for the operator."""

@@ -1,0 +1,133 @@
+"""The admin page: memory, batch, queue, sessions, live; behind the admin credential."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import gradio as gr
+import pandas as pd
+
+from sessions import SessionManager
+from ui.monitor import Monitor, memory
+
+MB = 2**20
+REFRESH_S = 1.5
+PARTS = (("model", "Model weights", "#6366f1"), ("kv_used", "KV used", "#f97316"),
+         ("kv_free", "KV free", "#fdba74"), ("other", "Other", "#94a3b8"),
+         ("free", "Free", "#e2e8f0"))
+
+
+def memory_bar(monitor: Monitor) -> str:
+    """A stacked bar of device memory, with the figures under it."""
+    m = memory(monitor.engine)
+    segs, legend = [], []
+    for key, label, color in PARTS:
+        value = getattr(m, key)
+        pct = 100 * value / m.total if m.total else 0
+        segs.append(f'<div title="{label}" style="width:{pct:.3f}%;background:{color}"></div>')
+        legend.append(f'<span class="cc-key"><i style="background:{color}"></i>{label} '
+                      f'<b>{value / MB:,.1f} MB</b></span>')
+    detail = " · ".join(f"{k.replace('_', ' ')} {v / MB:,.0f} MB" for k, v in m.detail.items())
+    return (f'<div class="cc-mem"><div class="cc-title">Device memory: {m.device}, '
+            f'{m.total / MB:,.0f} MB total</div><div class="cc-bar">{"".join(segs)}</div>'
+            f'<div class="cc-legend">{"".join(legend)}</div><div class="cc-detail">{detail}'
+            f'</div></div>')
+
+
+def totals(monitor: Monitor, sessions: SessionManager, length: float) -> str:
+    s = monitor.engine.stats()
+    off = sessions.offload
+    snaps = sessions.store.snapshots()
+    lines = [
+        f"**Batch** {s.running} running · **queue** {s.waiting} · **tokens/s** "
+        f"{s.tokens_per_s:.1f} · **TTFT p50** {fmt(s.ttft_p50_s)} · **ITL p50** "
+        f"{fmt(s.itl_p50_s)} p95 {fmt(s.itl_p95_s)}",
+        f"**KV pool** {s.blocks_used}/{s.blocks_total} blocks of {s.block_size} tokens "
+        f"({s.kv_bytes / MB:,.0f} MB, {s.kv_bytes_per_token:,} bytes/token) · resident "
+        f"sessions {s.resident_owners}",
+        f"**Snapshots on disk** {len(snaps)} · {sum(r['bytes'] for r in snaps) / MB:,.1f} MB "
+        f"of {off.disk_budget / MB:,.0f} MB budget · host tier {off.host_bytes() / MB:,.1f} MB",
+        f"**Restores** disk {off.restores['disk']} · host {off.restores['host']} · "
+        f"**recomputes** {sessions.recomputes} · **persists** {off.persists} "
+        f"(failed {off.failures}) · **preemptions** {s.preemptions} · **rejections** "
+        f"{s.requests_rejected} · **finished** {s.requests_finished} · **failed** "
+        f"{s.requests_failed}",
+        f"**Capacity**: {monitor.fits(int(length))} conversations of {int(length)} tokens fit "
+        f"in the pool at once.",
+    ]
+    warns = monitor.warnings()
+    if warns:
+        lines.append("\n".join(f"> **Warning:** {w}" for w in warns))
+    return "\n\n".join(lines)
+
+
+def fmt(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def series(monitor: Monitor, columns: list[str]) -> pd.DataFrame:
+    rows = [{"time": dt.datetime.fromtimestamp(r["time"]), "metric": c, "value": r[c]}
+            for r in list(monitor.samples) for c in columns]
+    return pd.DataFrame(rows, columns=["time", "metric", "value"])
+
+
+def sessions_table(sessions: SessionManager) -> pd.DataFrame:
+    rows = [{"id": f.id[:12], "owner": f.owner.split(":")[0] + ":" + f.owner[-6:],
+             "title": f.title[:40], "state": f.state, "tokens": f.tokens,
+             "resident KV MB": round(f.resident_bytes / MB, 2),
+             "snapshot MB": round(f.snapshot_bytes / MB, 2), "idle s": round(f.idle_s)}
+            for f in sessions.facts()]
+    return pd.DataFrame(rows, columns=["id", "owner", "title", "state", "tokens",
+                                       "resident KV MB", "snapshot MB", "idle s"])
+
+
+def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
+    """The live admin page (refreshes every 1.5 s)."""
+    plots = {"Batch and queue": ["batch", "queue"], "Generated tokens/s": ["tokens_per_s"],
+             "KV blocks used": ["kv_blocks_used"], "TTFT p50 (s)": ["ttft_p50_s"]}
+
+    def refresh(length: float):  # noqa: ANN202
+        return (memory_bar(monitor), totals(monitor, sessions, length),
+                *(series(monitor, cols) for cols in plots.values()), sessions_table(sessions))
+
+    def act(action: str, prefix: str) -> str:
+        prefix = (prefix or "").strip()
+        matches = [f.id for f in sessions.facts() if prefix and f.id.startswith(prefix)]
+        if len(matches) != 1:
+            return f"No single session starts with {prefix!r}."
+        sid = matches[0]
+        if action == "persist":
+            done = sessions.persist_now(sid)
+            return f"persisted {sid[:12]}" if done else f"{sid[:12]} has no resident KV"
+        if action == "drop":
+            sessions.drop_kv(sid)
+            return f"dropped the KV of {sid[:12]}"
+        sessions.admin_delete(sid)
+        return f"deleted {sid[:12]}"
+
+    with gr.Blocks(title="crowdchat admin") as demo:
+        gr.Markdown("## crowdchat · admin")
+        mem = gr.HTML(elem_id="memory")
+        length = gr.Number(2000, label="Conversation length for the capacity hint (tokens)",
+                           minimum=1, maximum=10**6, precision=0)
+        summary = gr.Markdown(elem_id="totals")
+        with gr.Row():
+            lines = [gr.LinePlot(x="time", y="value", color="metric", title=title,
+                                 height=220, x_title="", y_title="")
+                     for title in plots]
+        table = gr.Dataframe(label="Sessions", interactive=False, elem_id="sessions")
+        with gr.Row():
+            target = gr.Textbox(label="Session id (or a unique prefix)", scale=3)
+            persist_btn = gr.Button("Persist to disk now", size="sm")
+            drop_btn = gr.Button("Drop KV", size="sm")
+            delete_btn = gr.Button("Delete session", size="sm", variant="stop")
+        result = gr.Markdown()
+        outputs = [mem, summary, *lines, table]
+        timer = gr.Timer(REFRESH_S)
+        timer.tick(refresh, [length], outputs, show_progress="hidden", concurrency_limit=None)
+        demo.load(refresh, [length], outputs, concurrency_limit=None)
+        for btn, action in ((persist_btn, "persist"), (drop_btn, "drop"),
+                            (delete_btn, "delete")):
+            btn.click(lambda p, a=action: act(a, p), [target], [result],
+                      concurrency_limit=None)
+    return demo

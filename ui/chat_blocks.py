@@ -1,0 +1,68 @@
+"""The chat page's layout and event wiring (handlers live in ui.chat_page)."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from ui.chat_page import ChatPage
+
+
+def build_chat_blocks(page: ChatPage, concurrency: int) -> gr.Blocks:
+    """The chat page. `concurrency`: how many users may generate at once (the engine's
+    batch size), instead of Gradio's default of one event at a time."""
+    with gr.Blocks(title="crowdchat") as demo:
+        user = gr.BrowserState(None, storage_key="crowdchat_user", secret=page.browser_secret)
+        sid = gr.State(None)
+        editing = gr.State(False)
+        with gr.Row(equal_height=False, elem_id="layout"):
+            with gr.Column(scale=1, min_width=220, elem_id="sidebar"):
+                gr.Markdown("## crowdchat", elem_id="brand")
+                new_btn = gr.Button("+ New chat", variant="primary", elem_id="new-chat")
+                convos = gr.Radio(choices=[], label="Your conversations", elem_id="convos")
+                with gr.Accordion("Rename or delete", open=False):
+                    title = gr.Textbox(label="New title", max_lines=1)
+                    with gr.Row():
+                        rename_btn = gr.Button("Rename", size="sm")
+                        delete_btn = gr.Button("Delete", size="sm", variant="stop")
+            with gr.Column(scale=4, min_width=320):
+                chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height="62vh",
+                                     buttons=["copy"],
+                                     placeholder="Say hello to start a conversation.")
+                status = gr.Markdown("", elem_id="status")
+                with gr.Row(elem_id="composer"):
+                    box = gr.Textbox(placeholder="Type a message…", show_label=False, scale=8,
+                                     lines=1, max_lines=8, elem_id="message", autofocus=True)
+                    send_btn = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+                    stop_btn = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
+                with gr.Row():
+                    regen_btn = gr.Button("↻ Regenerate", size="sm", elem_id="regenerate")
+                    edit_btn = gr.Button("✎ Edit last message", size="sm", elem_id="edit")
+                with gr.Accordion("Settings", open=False):
+                    system = gr.Textbox(label="System prompt", lines=2,
+                                        placeholder="e.g. You are a concise assistant.")
+                    temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature")
+                    top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
+                    max_tokens = gr.Slider(16, 2048, value=512, step=16,
+                                           label="Max new tokens")
+
+        turn_outputs = [chatbot, status, box, sid, convos, editing]
+        send_inputs = [box, user, sid, editing, system, temperature, top_p, max_tokens]
+        for trigger in (box.submit, send_btn.click):
+            trigger(page.on_send, send_inputs, turn_outputs, concurrency_limit=concurrency,
+                    concurrency_id="turns", show_progress="hidden")
+        regen_btn.click(page.on_regenerate, [user, sid, temperature, top_p, max_tokens],
+                        turn_outputs, concurrency_limit=concurrency, concurrency_id="turns",
+                        show_progress="hidden")
+        stop_btn.click(page.on_stop, [user, sid], None, concurrency_limit=None,
+                       show_progress="hidden")
+        edit_btn.click(page.on_edit, [user, sid], [box, editing, status],
+                       concurrency_limit=None)
+        new_btn.click(page.on_new, None, [sid, chatbot, status, convos], concurrency_limit=None)
+        convos.input(page.on_select, [user, convos], [sid, chatbot, status],
+                     concurrency_limit=None)
+        rename_btn.click(page.on_rename, [user, sid, title], [convos, title],
+                         concurrency_limit=None)
+        delete_btn.click(page.on_delete, [user, sid], [sid, chatbot, convos],
+                         concurrency_limit=None)
+        demo.load(page.on_load, [user], [user, convos, sid, chatbot], concurrency_limit=None)
+    return demo

@@ -1,0 +1,196 @@
+"""The chat page: one independent, persistent conversation list per browser (or signed-in user),
+streamed replies, Stop / Regenerate / Edit, and a status line that says what is happening."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+
+import gradio as gr
+
+from engine import CrowdchatError, SamplingParams
+from sessions import ChatTurn, SessionManager
+
+log = logging.getLogger(__name__)
+USER_ID = re.compile(r"^[0-9a-f]{32}$")
+POLL_S = 0.4
+
+
+def to_chatbot(messages: list[dict]) -> list[dict]:
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+class ChatPage:
+    """Builds the Blocks and holds the handlers (plain methods, so they are easy to test)."""
+
+    def __init__(self, sessions: SessionManager, auth_enabled: bool = False,
+                 browser_secret: str | None = None) -> None:
+        self.sm = sessions
+        self.auth_enabled = auth_enabled
+        self.browser_secret = browser_secret or secrets.token_hex(16)
+
+    # -- identity and lists -------------------------------------------------------------
+    def owner(self, user: str | None, request: gr.Request | None) -> str:
+        if self.auth_enabled and request is not None and request.username:
+            return f"user:{request.username}"
+        if not user or not USER_ID.match(user):
+            raise gr.Error("Your browser identity is missing; reload the page.")
+        return f"browser:{user}"
+
+    def choices(self, owner: str) -> list[tuple[str, str]]:
+        return [(s["title"] or "New chat", s["id"]) for s in self.sm.list_sessions(owner)]
+
+    def on_load(self, user: str | None, request: gr.Request):  # noqa: ANN201
+        """First visit: mint a random 128-bit id kept in the browser. Return: the latest
+        conversation, if any, and start restoring its KV in the background."""
+        if not user or not USER_ID.match(user):
+            user = secrets.token_hex(16)
+        owner = self.owner(user, request)
+        choices = self.choices(owner)
+        sid = choices[0][1] if choices else None
+        history = to_chatbot(self.sm.messages(owner, sid)) if sid else []
+        if sid:
+            self.sm.prefetch(owner, sid)
+        return user, gr.update(choices=choices, value=sid), sid, history
+
+    def on_select(self, user: str, sid: str | None, request: gr.Request):  # noqa: ANN201
+        owner = self.owner(user, request)
+        if not sid:
+            return None, [], ""
+        try:
+            history = to_chatbot(self.sm.messages(owner, sid))
+        except CrowdchatError as e:
+            return None, [], f"Error: {e}"
+        self.sm.prefetch(owner, sid)
+        return sid, history, ""
+
+    def on_new(self):  # noqa: ANN201
+        return None, [], "", gr.update(value=None)
+
+    def on_rename(self, user: str, sid: str | None, title: str, request: gr.Request):  # noqa: ANN201
+        owner = self.owner(user, request)
+        if sid and title.strip():
+            try:
+                self.sm.rename_session(owner, sid, title.strip())
+            except CrowdchatError as e:
+                raise gr.Error(str(e)) from e
+        return gr.update(choices=self.choices(owner), value=sid), ""
+
+    def on_delete(self, user: str, sid: str | None, request: gr.Request):  # noqa: ANN201
+        owner = self.owner(user, request)
+        if sid:
+            try:
+                self.sm.delete_session(owner, sid)
+            except CrowdchatError as e:
+                raise gr.Error(str(e)) from e
+        return None, [], gr.update(choices=self.choices(owner), value=None)
+
+    def on_stop(self, user: str, sid: str | None, request: gr.Request) -> None:
+        if sid:
+            try:
+                self.sm.stop(self.owner(user, request), sid)
+            except CrowdchatError:
+                pass
+
+    def on_edit(self, user: str, sid: str | None, request: gr.Request):  # noqa: ANN201
+        """Put the last user message back in the box; the next send replaces it."""
+        if not sid:
+            return gr.update(), False, ""
+        msgs = [m for m in self.sm.messages(self.owner(user, request), sid)
+                if m["role"] == "user"]
+        if not msgs:
+            return gr.update(), False, ""
+        return msgs[-1]["content"], True, "Editing your last message: change it and press Send."
+
+    # -- turns --------------------------------------------------------------------------
+    def params(self, temperature: float, top_p: float, max_tokens: float) -> SamplingParams:
+        return SamplingParams(temperature=float(temperature), top_p=float(top_p),
+                              max_new_tokens=int(max_tokens))
+
+    def on_send(self, message: str, user: str, sid: str | None, editing: bool,
+                system_prompt: str, temperature: float, top_p: float, max_tokens: float,
+                request: gr.Request) -> Iterator[tuple]:
+        """Outputs: chatbot, status, textbox, sid, conversation list, editing."""
+        owner = self.owner(user, request)
+        try:
+            params = self.params(temperature, top_p, max_tokens)
+            if not sid:
+                if not (message or "").strip():
+                    raise CrowdchatError("Please type a message first.")
+                sid = self.sm.create_session(owner, system_prompt=system_prompt or "")["id"]
+            else:
+                self.sm.set_system_prompt(owner, sid, system_prompt or "")
+            if editing:
+                turn = self.sm.edit_last(owner, sid, message, params)
+            else:
+                turn = self.sm.chat(owner, sid, message, params)
+        except CrowdchatError as e:  # the message stays in the box: nothing is lost
+            history = to_chatbot(self.sm.messages(owner, sid)) if sid else []
+            yield history, f"Error: {e}", gr.update(), sid, gr.update(), editing
+            return
+        yield from self._stream(owner, sid, turn, clear_box=True)
+
+    def on_regenerate(self, user: str, sid: str | None, temperature: float, top_p: float,
+                      max_tokens: float, request: gr.Request) -> Iterator[tuple]:
+        owner = self.owner(user, request)
+        if not sid:
+            yield [], "", gr.update(), sid, gr.update(), False
+            return
+        try:
+            turn = self.sm.regenerate(owner, sid, self.params(temperature, top_p, max_tokens))
+        except CrowdchatError as e:
+            yield to_chatbot(self.sm.messages(owner, sid)), f"Error: {e}", gr.update(), sid, \
+                gr.update(), False
+            return
+        yield from self._stream(owner, sid, turn, clear_box=False)
+
+    def _stream(self, owner: str, sid: str, turn: ChatTurn, clear_box: bool) -> Iterator[tuple]:
+        """Run the turn on a thread; yield the growing reply, and the status while waiting."""
+        history = to_chatbot(self.sm.messages(owner, sid))
+        history.append({"role": "assistant", "content": ""})
+        box = "" if clear_box else gr.update()
+        choices = gr.update(choices=self.choices(owner), value=sid)
+        events: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        threading.Thread(target=_pump, args=(turn, events.put), daemon=True).start()
+        yield history, self.status(turn), box, sid, choices, False
+        while True:
+            try:
+                kind, value = events.get(timeout=POLL_S)
+            except queue.Empty:
+                yield history, self.status(turn), gr.update(), sid, gr.update(), False
+                continue
+            if kind == "delta":
+                history[-1]["content"] += value
+                yield history, self.status(turn), gr.update(), sid, gr.update(), False
+            elif kind == "error":
+                yield history, f"Error: {value}", gr.update(), sid, gr.update(), False
+                return
+            else:
+                note = "Stopped." if turn.finish_reason == "cancelled" else ""
+                yield history, note, gr.update(), sid, gr.update(
+                    choices=self.choices(owner), value=sid), False
+                return
+
+    def status(self, turn: ChatTurn) -> str:
+        if turn.status == "restoring":
+            return "Restoring your conversation…"
+        if turn.status == "queued":
+            ahead = turn.queue_position()
+            return f"Waiting: {ahead} ahead of you…" if ahead else "Starting…"
+        return "Replying…" if turn.status == "generating" else ""
+
+
+def _pump(turn: ChatTurn, put: Callable[[tuple[str, str]], None]) -> None:
+    try:
+        for delta in turn:
+            put(("delta", delta))
+        put(("done", ""))
+    except CrowdchatError as e:
+        put(("error", str(e)))
+    except Exception as e:  # noqa: BLE001 - no raw traceback reaches the page
+        log.exception("chat turn failed")
+        put(("error", f"something went wrong: {type(e).__name__}"))
