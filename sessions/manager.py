@@ -235,6 +235,12 @@ class SessionManager:
         """Stop the sweeper, write every session's KV to disk, close the database."""
         self._stop.set()
         self._sweeper.join()
+        for turn in list(self._active.values()):  # replies in flight end, and are committed
+            if turn is not None:
+                turn.cancel()
+        deadline = time.monotonic() + 10
+        while self._active and time.monotonic() < deadline:
+            time.sleep(0.02)
         self.engine.set_memory_pressure_hook(None)
         self.offload.flush()
         self.store.close()

@@ -80,6 +80,8 @@ class ChatTurn:
             self.status = "done"
             try:
                 self.manager._end_turn(self)
+            except RuntimeError as e:  # the store closed under an abandoned stream
+                log.warning("reply of session %s not saved: %s", self.session_id, e)
             finally:
                 self._release()
 

@@ -180,7 +180,9 @@ class ChatPage:
             return "Restoring your conversation…"
         if turn.status == "queued":
             ahead = turn.queue_position()
-            return f"Waiting: {ahead} ahead of you…" if ahead else "Starting…"
+            if ahead is None:
+                return "Starting…"
+            return f"Waiting: {ahead} ahead of you…" if ahead else "Waiting for a free slot…"
         return "Replying…" if turn.status == "generating" else ""
 
 

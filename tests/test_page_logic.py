@@ -1,0 +1,81 @@
+"""Chat page handlers without a browser: queue status, sign-in identity, the users file."""
+
+from __future__ import annotations
+
+import io
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from gradio_client import Client
+
+from engine import SamplingParams
+from engine.loader import LoadedModel
+from tests.conftest import close_sessions, make_sessions
+from tests.web import running_server
+from ui import auth
+from ui.chat_page import ChatPage
+
+
+def test_status_tells_the_user_where_they_are(nf4_model: LoadedModel, tmp_path: Path) -> None:
+    engine, sm = make_sessions(nf4_model, tmp_path, {"max_num_seqs": 1})
+    try:
+        page = ChatPage(sm)
+        long = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
+        first = sm.chat("a", sm.create_session("a")["id"], "Go on and on.", long)
+        it = iter(first)
+        next(it)
+        waiting = [sm.chat(o, sm.create_session(o)["id"], "Hi", long) for o in ("b", "c")]
+        for turn in waiting:  # b queues first, then c behind it
+            threading.Thread(target=turn.result, daemon=True).start()
+            deadline = time.time() + 10
+            while turn.handle is None or engine.queue_position(turn.handle) is None:
+                assert time.time() < deadline
+                time.sleep(0.05)
+        assert page.status(waiting[1]) == "Waiting: 1 ahead of you…"
+        assert page.status(waiting[0]) == "Waiting for a free slot…"
+        assert page.status(first) == "Replying…"
+        for t in (first, *waiting):
+            t.cancel()
+        list(it)
+        deadline = time.time() + 10
+        while any(t.status != "done" for t in waiting) and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        close_sessions(engine, sm)
+
+
+def test_users_file_hashes_and_checks_passwords(tmp_path: Path, monkeypatch) -> None:
+    users = tmp_path / "users.txt"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("s3cret-pass\n"))
+    auth.main([str(users), "ann"])
+    text = users.read_text()
+    assert text.startswith("ann:pbkdf2_sha256$") and "s3cret-pass" not in text
+    check = auth.users_checker(users)
+    assert check("ann", "s3cret-pass") and not check("ann", "wrong") and not check("bob", "x")
+    admin = auth.admin_checker("pw")
+    assert admin("admin", "pw") and not admin("admin", "pW") and not admin("root", "pw")
+    with pytest.raises(SystemExit):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("short\n"))
+        auth.main([str(users), "bob"])
+
+
+def test_signed_in_user_sees_their_conversations_from_any_browser(
+    nf4_model: LoadedModel, tmp_path: Path, monkeypatch
+) -> None:
+    users = tmp_path / "users.txt"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("s3cret-pass\n"))
+    auth.main([str(users), "ann"])
+    with running_server(nf4_model, tmp_path / "data", auth_file=users) as (url, _, sm):
+        laptop = Client(url, auth=("ann", "s3cret-pass"), verbose=False)
+        laptop.predict("Remember the word banana.", "0" * 32, "", 0.0, 1.0, 16,
+                       api_name="/on_send")
+        phone = Client(url, auth=("ann", "s3cret-pass"), verbose=False)
+        _user, convos, history = phone.predict("f" * 32, api_name="/on_load")
+        assert len(convos["choices"]) == 1
+        assert "banana" in str(history)
+        assert sm.list_sessions("user:ann")
+        with pytest.raises(Exception):  # noqa: B017 - gradio_client raises its own type
+            Client(url, auth=("ann", "wrong"), verbose=False)
