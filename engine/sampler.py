@@ -6,7 +6,6 @@ import torch
 
 from engine.sequence import Sequence
 
-
 GREEDY_BELOW = 1e-5
 
 
