@@ -34,8 +34,11 @@ def test_status_tells_the_user_where_they_are(nf4_model: LoadedModel, tmp_path: 
             while turn.handle is None or engine.queue_position(turn.handle) is None:
                 assert time.time() < deadline
                 time.sleep(0.05)
-        assert page.status(waiting[1]) == "Waiting: 1 ahead of you…"
-        assert page.status(waiting[0]) == "Waiting for a free slot…"
+        want = ["Waiting for a free slot…", "Waiting: 1 ahead of you…"]
+        deadline = time.time() + 10  # the engine thread publishes positions after a step
+        while [page.status(t) for t in waiting] != want:
+            assert time.time() < deadline, [page.status(t) for t in waiting]
+            time.sleep(0.05)
         assert page.status(first) == "Replying…"
         for t in (first, *waiting):
             t.cancel()

@@ -156,24 +156,28 @@ class ChatPage:
         choices = gr.update(choices=self.choices(owner), value=sid)
         events: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         threading.Thread(target=_pump, args=(turn, events.put), daemon=True).start()
-        yield history, self.status(turn), box, sid, choices, False
-        while True:
-            try:
-                kind, value = events.get(timeout=POLL_S)
-            except queue.Empty:
-                yield history, self.status(turn), gr.update(), sid, gr.update(), False
-                continue
-            if kind == "delta":
-                history[-1]["content"] += value
-                yield history, self.status(turn), gr.update(), sid, gr.update(), False
-            elif kind == "error":
-                yield history, f"Error: {value}", gr.update(), sid, gr.update(), False
-                return
-            else:
-                note = "Stopped." if turn.finish_reason == "cancelled" else ""
-                yield history, note, gr.update(), sid, gr.update(
-                    choices=self.choices(owner), value=sid), False
-                return
+        try:
+            yield history, self.status(turn), box, sid, choices, False
+            while True:
+                try:
+                    kind, value = events.get(timeout=POLL_S)
+                except queue.Empty:
+                    yield history, self.status(turn), gr.update(), sid, gr.update(), False
+                    continue
+                if kind == "delta":
+                    history[-1]["content"] += value
+                    yield history, self.status(turn), gr.update(), sid, gr.update(), False
+                elif kind == "error":
+                    yield history, f"Error: {value}", gr.update(), sid, gr.update(), False
+                    return
+                else:
+                    note = "Stopped." if turn.finish_reason == "cancelled" else ""
+                    yield history, note, gr.update(), sid, gr.update(
+                        choices=self.choices(owner), value=sid), False
+                    return
+        finally:
+            if turn.status != "done":
+                turn.cancel()  # the browser went away (tab closed): free the batch slot
 
     def status(self, turn: ChatTurn) -> str:
         if turn.status == "restoring":
