@@ -101,3 +101,23 @@ def test_admin_is_disabled_without_a_password(nf4_model: LoadedModel, tmp_path: 
     with running_server(nf4_model, tmp_path, admin_password=None) as (url, _, _):
         r = httpx.get(url + "/admin/")
         assert r.status_code == 404 and "disabled" in r.text
+
+
+def test_a_client_that_goes_away_frees_its_slot(server: tuple) -> None:
+    url, engine, _ = server
+    import time
+
+    client = Client(url, verbose=False)
+    job = client.submit("Write an endless story about the sea.", secrets.token_hex(16), "",
+                        0.0, 1.0, 2000, api_name="/on_send")
+    deadline = time.time() + 60
+    while engine.stats().running == 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert engine.stats().running == 1
+    time.sleep(0.5)
+    job.cancel()
+    client.close()
+    deadline = time.time() + 10
+    while engine.stats().running and time.time() < deadline:
+        time.sleep(0.1)
+    assert engine.stats().running == 0
