@@ -70,8 +70,12 @@ def build_router(engine: Engine, sessions: SessionManager, model_name: str) -> A
 
     def start(owner: str, sid: str | None, req: ChatRequest) -> RequestHandle | ChatTurn:
         """Worker thread: submit a one-off conversation, or the new turn of a session."""
-        if sid is None:
-            return engine.submit(formatter.encode(req.messages), req.params)
+        if sid is None:  # one-off: charged its prompt and max_tokens up front
+            params = sessions.limit(owner, req.params)
+            ids = formatter.encode(req.messages)
+            handle = engine.submit(ids, params)
+            sessions.limiter.record(owner, len(ids) + params.max_new_tokens)
+            return handle
         last = req.messages[-1]
         if last["role"] != "user":
             sessions.get_session(owner, sid)  # an unknown session is a 404 before a 400

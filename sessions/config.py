@@ -18,13 +18,16 @@ class SessionConfig:
     kv_disk_budget_mb: float = 4096.0
     sweep_interval_s: float = 1.0
     max_message_chars: int = 32_000
+    max_tokens_per_turn: int = 2048  # longer requests are clamped to this
+    tokens_per_minute: int = 20_000  # per user; 0 turns the limit off
 
     def __post_init__(self) -> None:
         for name in ("idle_seconds", "kv_host_budget_mb", "kv_disk_budget_mb"):
             if getattr(self, name) < 0:
                 raise InvalidRequest(f"invalid session setting: --{name.replace('_', '-')} "
                                      "must be >= 0")
-        if self.sweep_interval_s <= 0 or self.max_message_chars < 1:
+        if self.sweep_interval_s <= 0 or self.max_message_chars < 1 \
+                or self.max_tokens_per_turn < 1 or self.tokens_per_minute < 0:
             raise InvalidRequest("invalid session setting: intervals and limits must be > 0")
 
     @staticmethod
@@ -40,6 +43,12 @@ class SessionConfig:
                        help="snapshot files beyond this are deleted, oldest first")
         g.add_argument("--max-message-chars", type=int,
                        default=env_default("max_message_chars", 32_000))
+        g.add_argument("--max-tokens-per-turn", type=int,
+                       default=env_default("max_tokens_per_turn", 2048),
+                       help="replies longer than this are cut (requests are clamped)")
+        g.add_argument("--tokens-per-minute", type=int,
+                       default=env_default("tokens_per_minute", 20_000),
+                       help="per-user budget of new prompt + generated tokens (0: off)")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> SessionConfig:

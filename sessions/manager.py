@@ -8,13 +8,14 @@ import secrets
 import threading
 import time
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine import Engine, InvalidRequest, PromptTooLong, SamplingParams
 from engine.chat_format import ChatFormatter
 from engine.errors import SessionBusy, SessionNotFound
 from sessions.config import SessionConfig
+from sessions.limits import TokenRateLimiter
 from sessions.offload import KVOffloader
 from sessions.snapshots import SnapshotFiles, check_session_id
 from sessions.store import Store
@@ -72,6 +73,7 @@ class SessionManager:
                                    int(config.kv_disk_budget_mb * 2**20), self._set_state)
         self._active: dict[str, ChatTurn | None] = {}  # session id -> its running turn
         self.recomputes = 0  # turns whose earlier KV was gone and had to be recomputed
+        self.limiter = TokenRateLimiter(config.tokens_per_minute)
         self._active_lock = threading.Lock()
         self._recover()
         engine.set_memory_pressure_hook(
@@ -125,10 +127,20 @@ class SessionManager:
         self.store.delete_session(sid)
 
     # -- chatting -----------------------------------------------------------------------
+    def limit(self, owner: str, params: SamplingParams) -> SamplingParams:
+        """Apply the per-user limits: RateLimited when over budget, the reply length capped."""
+        self.limiter.check(owner)
+        if params.max_new_tokens > self.config.max_tokens_per_turn:
+            params = replace(params, max_new_tokens=self.config.max_tokens_per_turn,
+                             min_new_tokens=min(params.min_new_tokens,
+                                                self.config.max_tokens_per_turn))
+        return params
+
     def chat(self, owner: str, sid: str, text: str, params: SamplingParams) -> ChatTurn:
         """Add the user's message (committed before anything streams) and start the reply."""
         session = self.get_session(owner, sid)
         text = clean_text(text, self.config.max_message_chars)
+        params = self.limit(owner, params)
         history = self.store.messages(sid)
         convo = [*self._conversation(session, history), {"role": "user", "content": text}]
         prompt = self._encode(convo, params)
@@ -145,6 +157,7 @@ class SessionManager:
     def regenerate(self, owner: str, sid: str, params: SamplingParams) -> ChatTurn:
         """Replace the last reply with a new one."""
         session = self.get_session(owner, sid)
+        params = self.limit(owner, params)
         release = self._claim(sid)
         try:
             history = self.store.messages(sid)
@@ -162,6 +175,7 @@ class SessionManager:
         """Replace the last user message (and its reply) and answer it again."""
         session = self.get_session(owner, sid)
         text = clean_text(text, self.config.max_message_chars)
+        params = self.limit(owner, params)
         release = self._claim(sid)
         try:
             history = self.store.messages(sid)
@@ -283,7 +297,8 @@ class SessionManager:
     def _start(self, sid: str, prompt: list[int], params: SamplingParams,
                release) -> ChatTurn:  # noqa: ANN001
         turn = ChatTurn(self, sid, prompt, params, release)
-        turn.had_kv = (self.store.get_session(sid) or {}).get("token_count", 0) > 0
+        row = self.store.get_session(sid) or {}
+        turn.owner, turn.had_kv = row.get("owner", ""), row.get("token_count", 0) > 0
         self._active[sid] = turn
         self.store.update_session(sid, state="active", last_active=time.time())
         return turn
@@ -296,6 +311,10 @@ class SessionManager:
                                    token_count=turn.handle.num_generated_tokens
                                    if turn.handle else 0, finish_reason=turn.finish_reason)
         tokens = len(turn.prompt) + (turn.handle.num_generated_tokens if turn.handle else 0)
+        if turn.handle is not None:
+            cost = turn.handle.num_generated_tokens + len(turn.prompt) \
+                - turn.handle.num_cached_tokens
+            self.limiter.record(turn.owner, cost)
         self.store.update_session(sid, state="resident", token_count=tokens,
                                   last_active=time.time(), fingerprint=self.offload.fingerprint)
 

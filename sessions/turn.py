@@ -37,6 +37,7 @@ class ChatTurn:
         self._cancelled = False
         self._release = release
         self._started = False
+        self.owner = ""  # whose turn: the rate limiter charges them
         self.had_kv = False  # the session had KV before this turn (cold means recompute)
 
     def queue_position(self) -> int | None:
