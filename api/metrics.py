@@ -90,6 +90,10 @@ class CrowdchatCollector(Collector):
                        offload.persists)
         yield _counter("session_persist_failures", "Session KV snapshots that failed to write",
                        offload.failures)
+        yield _counter("session_evictions", "Idle sessions moved out of a full pool",
+                       offload.evictions)
+        yield _counter("session_recomputes", "Turns that recomputed a lost KV prefix",
+                       self.sessions.recomputes)
 
 
 def build_metrics_router(engine: Engine, sessions: SessionManager) -> APIRouter:

@@ -132,11 +132,13 @@ async def _respond(request: Request, req: ChatRequest, source: RequestHandle | C
         return error_response(first.error)
     meta = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()),
             "model": model_name}
+    # where a session's KV came from this turn: resident, host, disk or cold (recomputed)
+    kv = {"X-Crowdchat-KV": source.restored_from or ""} if isinstance(source, ChatTurn) else {}
     if req.stream:
         return StreamingResponse(
             _sse(stream, first, source, meta, req.include_usage),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **kv})
     parts, event = [], first
     while not isinstance(event, End):
         if event is None:
@@ -150,7 +152,7 @@ async def _respond(request: Request, req: ChatRequest, source: RequestHandle | C
         "choices": [{"index": 0, "logprobs": None, "finish_reason": _finish_reason(source),
                      "message": {"role": "assistant", "content": "".join(parts)}}],
         "usage": _usage(source),
-    })
+    }, headers=kv)
 
 
 def _data(obj: dict | str) -> str:

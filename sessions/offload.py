@@ -46,6 +46,7 @@ class KVOffloader:
         self.last_error: str | None = None
         self.restores = {"host": 0, "disk": 0}
         self.persists = 0
+        self.evictions = 0
         self.failures = 0
         self._jobs: queue.Queue[str | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="crowdchat-kv-writer",
@@ -77,6 +78,7 @@ class KVOffloader:
             if self.pin:
                 kv = KVExport(kv.token_ids, kv.k.pin_memory(), kv.v.pin_memory())
             self.engine.drop_kv(sid)
+            self.evictions += 1
             short -= blocks
             with self.lock:
                 self.host[sid] = kv
