@@ -33,8 +33,12 @@ def parse_json_object(raw: bytes, required: bool = True) -> dict:
     if not raw.strip() and not required:
         return {}
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError("the request body is not valid UTF-8 text") from None
+    try:
+        body = json.loads(text)
+    except ValueError:
         raise ApiError("the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")

@@ -72,7 +72,7 @@ def build_router(engine: Engine, sessions: SessionManager, model_name: str) -> A
         """Worker thread: submit a one-off conversation, or the new turn of a session."""
         if sid is None:  # one-off: charged its prompt and max_tokens up front
             params = sessions.limit(owner, req.params)
-            ids = formatter.encode(req.messages)
+            ids = formatter.encode(sessions.clean_messages(req.messages))
             handle = engine.submit(ids, params)
             sessions.limiter.record(owner, len(ids) + params.max_new_tokens)
             return handle

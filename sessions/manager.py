@@ -127,6 +127,17 @@ class SessionManager:
         self.store.delete_session(sid)
 
     # -- chatting -----------------------------------------------------------------------
+    def clean_messages(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        """A whole conversation sent at once (the API's one-off requests), checked like
+        chat messages: the last must say something, none may be over the length limit."""
+        out = []
+        for i, m in enumerate(messages):
+            last = i == len(messages) - 1
+            if m["content"].strip() or last:
+                out.append({"role": m["role"],
+                            "content": clean_text(m["content"], self.config.max_message_chars)})
+        return out
+
     def limit(self, owner: str, params: SamplingParams) -> SamplingParams:
         """Apply the per-user limits: RateLimited when over budget, the reply length capped."""
         self.limiter.check(owner)
