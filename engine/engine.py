@@ -28,6 +28,12 @@ from engine.threads import run_in_fresh_thread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def attention_work(plan: StepPlan) -> float:
+    """Query-key pairs the step's attention computes (see StepTimer)."""
+    work = sum(s.num_computed + 1 for s in plan.decodes)
+    return work + sum(n * (s.num_computed + n / 2) for s, n in plan.prefills)
 IDLE_WAIT_S = 0.5
 
 
@@ -76,7 +82,7 @@ class Engine:
         self.vocab_size = self.loaded.model.config.vocab_size
         self.metrics = Metrics()
         self.timer = StepTimer(config.target_itl_ms, config.max_num_batched_tokens,
-                               config.max_num_seqs + MIN_PREFILL_CHUNK)
+                               MIN_PREFILL_CHUNK)
         self._requests: dict[int, _Request] = {}
         self._inbox: queue.Queue[tuple] = queue.Queue()
         self._lock = threading.Lock()
@@ -85,6 +91,7 @@ class Engine:
         self._step_hook: Callable[[StepPlan], None] | None = None  # tests inject faults here
         # Published by the engine thread after each step, read by stats() from any thread.
         self._gauges: tuple[int, int, int] = (0, 0, 0)
+        self._last_budget = config.max_num_batched_tokens
         self._queue_positions: dict[int, int] = {}
         self._running_ids: frozenset[int] = frozenset()
         log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MB (%d bytes/token); "
@@ -147,7 +154,7 @@ class Engine:
                 prompt_tokens_total=m.prompt_tokens, generated_tokens_total=m.generated_tokens,
                 ttft_p50_s=_pct(m.ttft, 50), ttft_p95_s=_pct(m.ttft, 95),
                 itl_p50_s=_pct(m.itl, 50), itl_p95_s=_pct(m.itl, 95),
-                step_ms_p50=_pct(m.step_ms, 50), token_budget=self.timer.budget(),
+                step_ms_p50=_pct(m.step_ms, 50), token_budget=self._last_budget,
                 requests_finished=m.finished, requests_failed=m.failed,
                 requests_rejected=m.rejected, preemptions=sched.num_preemptions,
                 resident_dropped=sched.num_resident_dropped, steps=m.steps,
@@ -290,11 +297,13 @@ class Engine:
                     self._handle_message(msg)
 
     def _step(self) -> None:
-        plan = self.scheduler.schedule(self.timer.budget())
+        self._last_budget = self._token_budget()
+        plan = self.scheduler.schedule(self._last_budget)
         self._count_admitted()
         if not plan:
             self._drain(block=True)  # nothing fits: wait for a cancel or a release
             return
+        work = attention_work(plan)
         t0 = time.perf_counter()
         try:
             if self._step_hook is not None:
@@ -309,7 +318,7 @@ class Engine:
                     self._finish(req, FinishReason.ERROR, f"generation failed: {e}")
             return
         ms = (time.perf_counter() - t0) * 1000
-        self.timer.record(plan.num_tokens, ms)
+        self.timer.record(plan.num_tokens, work, ms)
         now = time.monotonic()
         for seq in plan.decodes:
             seq.num_computed += 1
@@ -319,6 +328,16 @@ class Engine:
             self._append(self._requests[seq.seq_id], token, now)
         self.metrics.record_step(now, ms, len(plan.decodes) + len(plan.prefills),
                                  len(next_tokens), sum(n for _, n in plan.prefills))
+
+    def _token_budget(self) -> int:
+        """The fixed budget, or with --target-itl-ms the one the step timer predicts."""
+        if self.config.target_itl_ms is None:
+            return self.config.max_num_batched_tokens
+        running = self.scheduler.running
+        decodes = [s for s in running if s.num_uncomputed == 1]
+        pending = [s for s in running if s.num_uncomputed > 1] or list(self.scheduler.waiting)
+        return self.timer.budget(len(decodes), sum(s.num_computed + 1 for s in decodes),
+                                 pending[0].num_computed if pending else 0)
 
     def _publish(self) -> None:
         sched = self.scheduler

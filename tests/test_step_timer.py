@@ -4,24 +4,38 @@ from __future__ import annotations
 
 from engine.metrics import Histogram, StepTimer
 
+# synthetic steps: 10 ms fixed, 0.5 ms per token, 0.001 ms per query-key pair
+STEPS = [(16, 2000), (64, 9000), (128, 60000), (256, 150000), (300, 20000), (40, 300),
+         (200, 90000), (100, 5000), (500, 400000), (8, 1200)]
+
+
+def cost(n: int, work: float) -> float:
+    return 10 + 0.5 * n + 0.001 * work
+
 
 def test_budget_is_fixed_without_a_target() -> None:
-    timer = StepTimer(None, default_budget=512, floor=80)
-    for n in range(1, 50):
-        timer.record(n * 10, 5 + n)
-    assert timer.budget() == 512
+    timer = StepTimer(None, default_budget=512, floor=16)
+    for n, w in STEPS:
+        timer.record(n, w, cost(n, w))
+    assert timer.budget(8, 1000, 0) == 512
 
 
-def test_budget_follows_the_fitted_step_cost() -> None:
-    timer = StepTimer(60.0, default_budget=512, floor=80)
+def test_budget_follows_the_fitted_step_cost_and_the_context() -> None:
+    timer = StepTimer(100.0, default_budget=512, floor=16)
     assert timer.budget() == 512  # too few samples yet
-    for n in (16, 64, 128, 256, 300, 40, 200, 100, 500):
-        timer.record(n, 10 + 0.5 * n)  # 10 ms fixed + 0.5 ms per token
-    assert abs(timer.budget() - 100) <= 1  # (60 - 10) / 0.5
-    slow = StepTimer(20.0, default_budget=512, floor=80)
-    for n in (16, 64, 128, 256, 300, 40, 200, 100, 500):
-        slow.record(n, 10 + 0.5 * n)
-    assert slow.budget() == 80  # never below the floor: prefill always progresses
+    for n, w in STEPS:
+        timer.record(n, w, cost(n, w))
+    short = timer.budget(decodes=8, decode_work=8 * 200, prefill_context=0)
+    long = timer.budget(decodes=8, decode_work=8 * 200, prefill_context=1500)
+    assert long < short  # a chunk of a long prompt costs more per token
+    for budget, ctx in ((short, 0), (long, 1500)):
+        n = budget - 8
+        predicted = cost(budget, 8 * 200 + n * (ctx + n / 2))
+        assert 76 <= predicted <= 80.5  # as much as fits under 80% of the target, no more
+    slow = StepTimer(20.0, default_budget=512, floor=16)
+    for n, w in STEPS:
+        slow.record(n, w, cost(n, w))
+    assert slow.budget(8, 1600, 1500) == 16  # never below the floor: prefill progresses
 
 
 def test_histogram_is_cumulative() -> None:
