@@ -50,6 +50,13 @@ class DeltaStream:
         """The next event; after End or Failed there are no more."""
         return await self._queue.get()
 
+    def ready(self) -> Event | None:
+        """The next event if one is already waiting, else None (never blocks)."""
+        try:
+            return self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
     def cancel(self) -> None:
         """Stop generating (the engine frees the request's blocks at its next step)."""
         if not self._cancelled.is_set():

@@ -129,8 +129,8 @@ class Engine:
         self._inbox.put(("submit", _Request(seq, handle, detok)))
         return handle
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | None = None) -> list[
-            list[int]]:
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | None = None) -> list[list[int]]:
         """Offline helper: submit all prompts at once and return each one's generated ids."""
         handles = [self.submit(p, params) for p in prompts]
         for h in handles:
@@ -288,13 +288,15 @@ class Engine:
         finally:
             for req in list(self._requests.values()):
                 self._finish(req, FinishReason.ERROR, "the server is shutting down")
-            while True:  # answer calls that raced with shutdown
+            while True:  # answer what raced with shutdown: calls run, requests fail
                 try:
                     msg = self._inbox.get_nowait()
                 except queue.Empty:
                     break
                 if msg[0] == "call":
                     self._handle_message(msg)
+                elif msg[0] == "submit":
+                    msg[1].handle._finish(FinishReason.ERROR, "the server is shutting down")
 
     def _step(self) -> None:
         self._last_budget = self._token_budget()

@@ -157,13 +157,14 @@ class SessionManager:
         prompt = self._encode(convo, params)
         release = self._claim(sid)
         try:
-            self.store.add_message(sid, "user", text, token_count=0)
+            update = {"state": "active", "last_active": time.time()}
             if not session["title"]:
-                self.store.update_session(sid, title=" ".join(text.split())[:TITLE_CHARS])
+                update["title"] = " ".join(text.split())[:TITLE_CHARS]
+            self.store.add_message(sid, "user", text, session_fields=update)
         except BaseException:
             release()
             raise
-        return self._start(sid, prompt, params, release)
+        return self._start(sid, prompt, params, release, session, marked=True)
 
     def regenerate(self, owner: str, sid: str, params: SamplingParams) -> ChatTurn:
         """Replace the last reply with a new one."""
@@ -180,7 +181,7 @@ class SessionManager:
         except BaseException:
             release()
             raise
-        return self._start(sid, prompt, params, release)
+        return self._start(sid, prompt, params, release, session)
 
     def edit_last(self, owner: str, sid: str, text: str, params: SamplingParams) -> ChatTurn:
         """Replace the last user message (and its reply) and answer it again."""
@@ -201,7 +202,7 @@ class SessionManager:
         except BaseException:
             release()
             raise
-        return self._start(sid, prompt, params, release)
+        return self._start(sid, prompt, params, release, session)
 
     def prefetch(self, owner: str, sid: str) -> None:
         """The user opened this conversation: bring its KV back while they type."""
@@ -305,29 +306,29 @@ class SessionManager:
                 self._active.pop(sid, None)
         return release
 
-    def _start(self, sid: str, prompt: list[int], params: SamplingParams,
-               release) -> ChatTurn:  # noqa: ANN001
+    def _start(self, sid: str, prompt: list[int], params: SamplingParams, release,  # noqa: ANN001
+               session: dict, marked: bool = False) -> ChatTurn:
         turn = ChatTurn(self, sid, prompt, params, release)
-        row = self.store.get_session(sid) or {}
-        turn.owner, turn.had_kv = row.get("owner", ""), row.get("token_count", 0) > 0
+        turn.owner, turn.had_kv = session["owner"], session["token_count"] > 0
         self._active[sid] = turn
-        self.store.update_session(sid, state="active", last_active=time.time())
+        if not marked:
+            self.store.update_session(sid, state="active", last_active=time.time())
         return turn
 
     def _end_turn(self, turn: ChatTurn) -> None:
         """Commit the reply (also a partial or failed one) and the session's new state."""
         sid = turn.session_id
-        if turn.text or turn.finish_reason != "error":
-            self.store.add_message(sid, "assistant", turn.text,
-                                   token_count=turn.handle.num_generated_tokens
-                                   if turn.handle else 0, finish_reason=turn.finish_reason)
-        tokens = len(turn.prompt) + (turn.handle.num_generated_tokens if turn.handle else 0)
+        generated = turn.handle.num_generated_tokens if turn.handle else 0
         if turn.handle is not None:
-            cost = turn.handle.num_generated_tokens + len(turn.prompt) \
-                - turn.handle.num_cached_tokens
-            self.limiter.record(turn.owner, cost)
-        self.store.update_session(sid, state="resident", token_count=tokens,
-                                  last_active=time.time(), fingerprint=self.offload.fingerprint)
+            self.limiter.record(turn.owner, generated + len(turn.prompt)
+                                - turn.handle.num_cached_tokens)
+        update = {"state": "resident", "token_count": len(turn.prompt) + generated,
+                  "last_active": time.time(), "fingerprint": self.offload.fingerprint}
+        if turn.text or turn.finish_reason != "error":
+            self.store.add_message(sid, "assistant", turn.text, token_count=generated,
+                                   finish_reason=turn.finish_reason, session_fields=update)
+        else:
+            self.store.update_session(sid, **update)
 
     def _is_busy(self, sid: str) -> bool:
         return sid in self._active

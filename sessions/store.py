@@ -100,6 +100,15 @@ def _decoded(row: dict) -> dict:
     return row
 
 
+def _session_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """Checked session columns, with a fingerprint dict encoded as JSON."""
+    assert fields.keys() <= SESSION_FIELDS, f"unknown session fields {fields.keys()}"
+    assert fields.get("state", "active") in STATES, f"bad state {fields['state']!r}"
+    if isinstance(fields.get("fingerprint"), dict):
+        fields = {**fields, "fingerprint": _dumps(fields["fingerprint"])}
+    return fields
+
+
 _STOP = object()
 
 
@@ -216,10 +225,7 @@ class Store:
 
     def update_session(self, id: str, **fields: Any) -> None:
         """Set `fields` on session `id`; raises sqlite_utils NotFoundError if it is absent."""
-        assert fields.keys() <= SESSION_FIELDS, f"unknown session fields {fields.keys()}"
-        assert fields.get("state", "active") in STATES, f"bad state {fields['state']!r}"
-        if isinstance(fields.get("fingerprint"), dict):
-            fields["fingerprint"] = _dumps(fields["fingerprint"])
+        fields = _session_fields(fields)
         self._write(lambda db: db.table("sessions").update(id, fields))
 
     def delete_session(self, id: str) -> None:
@@ -240,13 +246,23 @@ class Store:
         content: str,
         token_count: int = 0,
         finish_reason: str | None = None,
+        session_fields: dict[str, Any] | None = None,
     ) -> int:
-        """Append a message and return its id once it is committed to disk."""
+        """Append a message and return its id once it is committed to disk. With
+        `session_fields` the session row is updated in the same transaction (one fsync)."""
         row = {
             "session_id": session_id, "role": role, "content": content,
             "token_count": token_count, "created": time.time(), "finish_reason": finish_reason,
         }
-        rowid = self._write(lambda db: db.table("messages").insert(row).last_rowid)
+        fields = _session_fields(session_fields or {})
+
+        def write(db: Database) -> int | None:
+            rowid = db.table("messages").insert(row).last_rowid
+            if fields:
+                db.table("sessions").update(session_id, fields)
+            return rowid
+
+        rowid = self._write(write)
         assert rowid is not None
         return rowid
 
