@@ -32,6 +32,9 @@ class TokenRateLimiter:
                 return 0
             while window and window[0][0] <= now - WINDOW_S:
                 window.popleft()
+            if not window:
+                del self._used[owner]  # idle users cost nothing
+                return 0
             return sum(n for _, n in window)
 
     def check(self, owner: str) -> None:

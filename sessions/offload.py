@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -14,6 +15,7 @@ from sessions.snapshots import SnapshotFiles, token_hash
 from sessions.store import Store
 
 log = logging.getLogger(__name__)
+RESTORE_STRIPES = 64
 
 
 def kv_bytes(kv: KVExport) -> int:
@@ -42,7 +44,8 @@ class KVOffloader:
         self.on_state = on_state  # (session id, new state): the manager records it
         self.host: OrderedDict[str, KVExport] = OrderedDict()  # LRU first
         self.lock = threading.Lock()  # guards `host`; never held while waiting on others
-        self._restoring: dict[str, threading.Lock] = {}  # one restore per session at a time
+        # one restore per session at a time; striped so the table never grows with sessions
+        self._restoring = [threading.Lock() for _ in range(RESTORE_STRIPES)]
         self.last_error: str | None = None
         self.restores = {"host": 0, "disk": 0}
         self.persists = 0
@@ -88,8 +91,7 @@ class KVOffloader:
     def restore(self, sid: str) -> str:
         """Make the session's KV resident if it is anywhere: 'resident', 'host', 'disk', or
         'cold' when nothing valid exists (the engine then recomputes the prefix)."""
-        with self.lock:
-            gate = self._restoring.setdefault(sid, threading.Lock())
+        gate = self._restoring[zlib.crc32(sid.encode()) % RESTORE_STRIPES]
         with gate:  # a prefetch and the turn itself never load the same file twice
             return self._restore(sid)
 
