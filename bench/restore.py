@@ -61,7 +61,7 @@ def main() -> None:
     loaded = load_model(config)
     engine = Engine(config, loaded)
     work = Path(tempfile.mkdtemp(prefix="crowdchat-restore-"))
-    sm = SessionManager(engine, SessionConfig(idle_seconds=1e9), work)
+    sm = SessionManager(engine, SessionConfig(idle_seconds=1e9, tokens_per_minute=0), work)
     summary: dict[str, float | str] = {"device": str(loaded.device), "quant": config.quant}
     try:
         sm.chat("bench", sm.create_session("bench")["id"], "Hi", NEXT).result()  # warm-up

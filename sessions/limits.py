@@ -12,7 +12,8 @@ WINDOW_S = 60.0
 
 
 class TokenRateLimiter:
-    """A sliding one-minute window of tokens (new prompt tokens + generated) per owner.
+    """A sliding one-minute window of tokens per owner: what their turns added (their new
+    message's tokens and the reply), never the recompute of a history the server dropped.
 
     `check` refuses a new turn while the owner's last minute is at or over the limit;
     `record` adds what a turn cost once it is known. A limit of 0 turns it off.

@@ -309,7 +309,8 @@ class SessionManager:
     def _start(self, sid: str, prompt: list[int], params: SamplingParams, release,  # noqa: ANN001
                session: dict, marked: bool = False) -> ChatTurn:
         turn = ChatTurn(self, sid, prompt, params, release)
-        turn.owner, turn.had_kv = session["owner"], session["token_count"] > 0
+        turn.owner, turn.prior_tokens = session["owner"], session["token_count"]
+        turn.had_kv = turn.prior_tokens > 0
         self._active[sid] = turn
         if not marked:
             self.store.update_session(sid, state="active", last_active=time.time())
@@ -319,9 +320,9 @@ class SessionManager:
         """Commit the reply (also a partial or failed one) and the session's new state."""
         sid = turn.session_id
         generated = turn.handle.num_generated_tokens if turn.handle else 0
-        if turn.handle is not None:
-            self.limiter.record(turn.owner, generated + len(turn.prompt)
-                                - turn.handle.num_cached_tokens)
+        if turn.handle is not None:  # what the user added, not what the server had to redo
+            self.limiter.record(turn.owner,
+                                generated + max(len(turn.prompt) - turn.prior_tokens, 0))
         update = {"state": "resident", "token_count": len(turn.prompt) + generated,
                   "last_active": time.time(), "fingerprint": self.offload.fingerprint}
         if turn.text or turn.finish_reason != "error":

@@ -38,6 +38,7 @@ class ChatTurn:
         self._release = release
         self._started = False
         self.owner = ""  # whose turn: the rate limiter charges them
+        self.prior_tokens = 0  # the conversation's tokens before this turn
         self.had_kv = False  # the session had KV before this turn (cold means recompute)
 
     def queue_position(self) -> int | None:
