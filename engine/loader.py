@@ -25,7 +25,6 @@ from transformers import (  # noqa: E402
 )
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.cpu_prefill import route_prefill_matmuls  # noqa: E402
 from engine.errors import ModelLoadError  # noqa: E402
 from engine.threads import run_in_fresh_thread  # noqa: E402
 
@@ -208,8 +207,6 @@ def _load_model(config: EngineConfig) -> LoadedModel:
     except Exception as e:  # noqa: BLE001 - a one-line error naming the path, not a traceback
         raise ModelLoadError(f"cannot load model from {directory}: {e}") from e
     model.eval()
-    if device.type == "cpu" and config.quant == "nf4":
-        route_prefill_matmuls(model)
     mc = model.config
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     loaded = LoadedModel(

@@ -79,23 +79,3 @@ def test_formatter_rejects_bad_messages(formatter: ChatFormatter) -> None:
     with pytest.raises(InvalidRequest, match="string"):
         formatter.encode([{"role": "user", "content": 42}])  # type: ignore[dict-item]
 
-
-def test_cpu_prefill_routing_matches_the_4bit_kernel(nf4_model: LoadedModel) -> None:
-    import torch
-
-    from engine.cpu_prefill import PREFILL_ROWS
-    from engine.threads import run_in_fresh_thread
-
-    layer = nf4_model.model.model.layers[0].mlp.up_proj
-    assert layer.forward.__name__ == "forward" and "packed_forward" in \
-        layer.forward.__code__.co_freevars  # routed at load time
-
-    def compare() -> float:
-        x = torch.randn(PREFILL_ROWS + 8, layer.in_features, dtype=torch.bfloat16,
-                        generator=torch.Generator().manual_seed(1))
-        with torch.inference_mode():
-            big = layer(x).float()  # dequantize + bf16 matmul
-            rows = torch.cat([layer(x[i:i + 1]) for i in range(len(x))]).float()  # 4-bit kernel
-        return float((big - rows).abs().max() / rows.abs().max())
-
-    assert run_in_fresh_thread(compare) < 0.02
