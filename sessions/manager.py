@@ -173,11 +173,12 @@ class SessionManager:
         release = self._claim(sid)
         try:
             history = self.store.messages(sid)
-            if history and history[-1]["role"] == "assistant":
-                self.store.delete_message(history.pop()["id"])
+            old = history.pop() if history and history[-1]["role"] == "assistant" else None
             if not history or history[-1]["role"] != "user":
                 raise InvalidRequest("there is no message to answer again")
             prompt = self._encode(self._conversation(session, history), params)
+            if old is not None:  # only once the new reply can start
+                self.store.delete_message(old["id"])
         except BaseException:
             release()
             raise
@@ -191,13 +192,16 @@ class SessionManager:
         release = self._claim(sid)
         try:
             history = self.store.messages(sid)
+            replies = []
             while history and history[-1]["role"] == "assistant":
-                self.store.delete_message(history.pop()["id"])
+                replies.append(history.pop())
             if not history:
                 raise InvalidRequest("there is no message to edit")
             last = history[-1]
             convo = self._conversation(session, history[:-1])
             prompt = self._encode([*convo, {"role": "user", "content": text}], params)
+            for reply in replies:  # only once the edited message is known to fit
+                self.store.delete_message(reply["id"])
             self.store.update_message(last["id"], content=text)
         except BaseException:
             release()
