@@ -79,3 +79,18 @@ def test_formatter_rejects_bad_messages(formatter: ChatFormatter) -> None:
     with pytest.raises(InvalidRequest, match="string"):
         formatter.encode([{"role": "user", "content": 42}])  # type: ignore[dict-item]
 
+
+
+def test_int8_quantization_loads_and_answers(model_dir: Path, tmp_path: Path) -> None:
+    from engine import Engine, SamplingParams
+
+    engine = Engine(EngineConfig(data_dir=model_dir, quant="int8", kv_budget_mb=16))
+    try:
+        fmt = ChatFormatter(engine.tokenizer)
+        h = engine.submit(fmt.encode([{"role": "user", "content": "What is the capital of "
+                                       "France?"}]), SamplingParams(temperature=0,
+                                                                    max_new_tokens=12))
+        assert "Paris" in h.result()
+        assert engine.loaded.quant == "int8"
+    finally:
+        engine.shutdown()
