@@ -103,11 +103,9 @@ def main() -> None:
             }
             print(json.dumps(row), flush=True)
             for key in ("resident_ttft_s", "restore_ttft_s", "recompute_ttft_s",
-                        "restore_over_recompute"):
-                summary[f"{key.removesuffix('_s').removesuffix('_ttft')}_{n}" if False else
-                        f"{key.replace('_ttft_s', '_ttft_s')}_{n}"] = row[key]
-            summary[f"snapshot_bytes_per_token_{n}"] = row["snapshot_bytes_per_token"]
-            summary[f"restore_mb_per_s_{n}"] = row["restore_mb_per_s"]
+                        "restore_over_recompute", "snapshot_bytes_per_token",
+                        "restore_mb_per_s"):
+                summary[f"{key}_{n}"] = row[key]
     finally:
         sm.shutdown()
         engine.shutdown()

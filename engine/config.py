@@ -6,12 +6,22 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TypeVar
 
 from engine.errors import InvalidRequest
 
 QUANT_CHOICES = ("nf4", "int8", "none")
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+T = TypeVar("T")
+
+
+def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
+    """Build a config dataclass from parsed flags, taking only the fields it has."""
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in vars(ns).items() if k in names})
 
 
 def env_default(name: str, default: object) -> object:
@@ -90,5 +100,4 @@ class EngineConfig:
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> EngineConfig:
         """Build the config from parsed flags (unknown attributes are ignored)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+        return from_namespace(cls, ns)

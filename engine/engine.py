@@ -20,7 +20,7 @@ from engine.errors import EngineStopped, InvalidRequest, PromptTooLong, ServerBu
 from engine.handle import RequestHandle
 from engine.kv_cache import KVCache, bytes_per_token, kv_budget_bytes
 from engine.loader import LoadedModel, load_model
-from engine.metrics import EngineStats, Metrics, StepTimer, _pct
+from engine.metrics import EngineStats, Metrics, StepTimer, percentile
 from engine.model_runner import ModelRunner
 from engine.scheduler import MIN_PREFILL_CHUNK, ResidentKV, Scheduler, StepPlan
 from engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
@@ -152,9 +152,9 @@ class Engine:
                 model_bytes=self.loaded.model_bytes, max_model_len=self.max_model_len,
                 tokens_per_s=m.tokens_per_s(now),
                 prompt_tokens_total=m.prompt_tokens, generated_tokens_total=m.generated_tokens,
-                ttft_p50_s=_pct(m.ttft, 50), ttft_p95_s=_pct(m.ttft, 95),
-                itl_p50_s=_pct(m.itl, 50), itl_p95_s=_pct(m.itl, 95),
-                step_ms_p50=_pct(m.step_ms, 50), token_budget=self._last_budget,
+                ttft_p50_s=percentile(m.ttft, 50), ttft_p95_s=percentile(m.ttft, 95),
+                itl_p50_s=percentile(m.itl, 50), itl_p95_s=percentile(m.itl, 95),
+                step_ms_p50=percentile(m.step_ms, 50), token_budget=self._last_budget,
                 requests_finished=m.finished, requests_failed=m.failed,
                 requests_rejected=m.rejected, preemptions=sched.num_preemptions,
                 resident_dropped=sched.num_resident_dropped, steps=m.steps,

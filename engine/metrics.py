@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -74,7 +73,7 @@ class EngineStats:
     max_batch_seen: int
 
 
-def _pct(samples: deque[float], q: float) -> float | None:
+def percentile(samples: deque[float], q: float) -> float | None:
     return float(np.percentile(np.fromiter(samples, float), q)) if samples else None
 
 
@@ -169,6 +168,3 @@ class StepTimer:
             n = rest / lin
         return int(max(self.floor, min(decodes + n, self.default_budget * 4)))
 
-
-def now() -> float:
-    return time.monotonic()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from engine.config import env_default
+from engine.config import env_default, from_namespace
 from engine.errors import InvalidRequest
 
 
@@ -52,5 +52,4 @@ class SessionConfig:
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> SessionConfig:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+        return from_namespace(cls, ns)

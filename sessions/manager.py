@@ -115,10 +115,13 @@ class SessionManager:
         self.store.update_session(sid, title=clean_text(title, 200))
 
     def set_system_prompt(self, owner: str, sid: str, system_prompt: str) -> None:
-        self.get_session(owner, sid)
+        """Change the session's system prompt (the page sends it with every message, so an
+        unchanged one costs no write)."""
+        session = self.get_session(owner, sid)
         text = clean_text(system_prompt, self.config.max_message_chars) \
             if system_prompt.strip() else ""
-        self.store.update_session(sid, system_prompt=text)
+        if text != session["system_prompt"]:
+            self.store.update_session(sid, system_prompt=text)
 
     def delete_session(self, owner: str, sid: str) -> None:
         self.get_session(owner, sid)

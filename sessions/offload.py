@@ -119,12 +119,6 @@ class KVOffloader:
         return "disk"
 
     # -- bookkeeping --------------------------------------------------------------------
-    def location(self, sid: str) -> str | None:
-        with self.lock:
-            if sid in self.host:
-                return "host"
-        return None
-
     def host_bytes(self) -> int:
         with self.lock:
             return sum(kv_bytes(kv) for kv in self.host.values())
