@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.engine import Engine, KVExport
+from engine.engine import Engine
 from engine.errors import (
     CrowdchatError,
     EngineStopped,
@@ -13,10 +13,14 @@ from engine.errors import (
     ServerBusy,
 )
 from engine.handle import RequestFailed, RequestHandle
+from engine.metrics import EngineStats
+from engine.model_runner import StepRunner
+from engine.resident import KVExport
 from engine.sequence import FinishReason, SamplingParams
 
+# What the rest of crowdchat may use; everything else in engine/ is the engine's own.
 __all__ = [
-    "CrowdchatError", "Engine", "EngineConfig", "EngineStopped", "FinishReason",
+    "CrowdchatError", "Engine", "EngineConfig", "EngineStats", "EngineStopped", "FinishReason",
     "InvalidRequest", "KVExport", "ModelLoadError", "PromptTooLong", "RequestFailed",
-    "RequestHandle", "SamplingParams", "ServerBusy",
+    "RequestHandle", "SamplingParams", "ServerBusy", "StepRunner",
 ]

@@ -8,7 +8,7 @@ import psutil
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import ModelLoadError
+from engine.errors import InvalidRequest, ModelLoadError
 from engine.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,16 @@ def kv_budget_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
                 f"({available / 2**20:.0f} MB)")
         return budget
     return int(min(available * CPU_DEFAULT_SHARE, CPU_DEFAULT_CAP))
+
+
+def pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
+    """How many KV blocks the budget holds (at least 2, or the operator is told what to do)."""
+    budget = kv_budget_bytes(config, loaded)
+    num_blocks = budget // (bytes_per_token(loaded) * config.block_size)
+    if num_blocks < 2:
+        raise InvalidRequest(f"KV budget {budget / 2**20:.1f} MB holds fewer than 2 blocks; "
+                             "raise --kv-budget-mb or --gpu-memory-utilization")
+    return num_blocks
 
 
 class KVCache:

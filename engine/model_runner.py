@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 
 from engine import attention
@@ -11,6 +14,20 @@ from engine.loader import LoadedModel
 from engine.sampler import sample
 from engine.scheduler import StepPlan
 from engine.sequence import Sequence
+
+
+class StepRunner(Protocol):
+    """What the engine needs of whatever runs its steps: the model here, a fake in tests."""
+
+    stop_ids: list[int]  # token ids that end a reply (unless the request ignores EOS)
+
+    def run(self, plan: StepPlan) -> dict[Sequence, int]:
+        """Compute the plan's tokens; return the next token of each sequence whose known
+        tokens are now all computed (decodes, and prefills that reached their end)."""
+        ...
+
+
+RunnerFactory = Callable[[LoadedModel, KVCache], StepRunner]
 
 
 class ModelRunner:
@@ -87,6 +104,7 @@ class ModelRunner:
         )
         return out.logits[0]
 
+    @torch.inference_mode()
     def run(self, plan: StepPlan) -> dict[Sequence, int]:
         """Run one step; return the sampled next token of each sequence that reached its end."""
         logits = self.forward(plan)

@@ -62,8 +62,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int]) -> l
     logits = logits.float()
     early = [i for i, s in enumerate(seqs)
              if s.num_generated < s.params.min_new_tokens and stop_ids]
-    if early:
-        logits[torch.tensor(early)[:, None], torch.tensor(stop_ids)[None, :]] = float("-inf")
+    if early:  # out of place: the logits may be an inference-mode tensor (float32 models)
+        dev = logits.device
+        rows = torch.tensor(early, device=dev)[:, None]
+        cols = torch.tensor(stop_ids, device=dev)[None, :]
+        logits = logits.index_put((rows, cols), torch.full((), float("-inf"), device=dev))
     out = logits.argmax(dim=-1).tolist()
     sampled = [i for i, s in enumerate(seqs) if s.params.temperature >= GREEDY_BELOW]
     if sampled:

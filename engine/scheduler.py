@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import logging
-import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
+from engine.resident import ResidentCache, ResidentKV, common_prefix
 from engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
 MIN_PREFILL_CHUNK = 16  # prefill always progresses, even when decodes fill the token budget
 
-
-@dataclass
-class ResidentKV:
-    """An idle owner's KV kept in the pool after its turn: the token ids it covers and blocks."""
-
-    token_ids: list[int]
-    block_table: list[int]
-    last_used: float = field(default_factory=time.monotonic)
+__all__ = ["MIN_PREFILL_CHUNK", "ResidentKV", "Scheduler", "StepPlan", "common_prefix"]
 
 
 @dataclass
@@ -37,25 +30,20 @@ class StepPlan:
     def num_tokens(self) -> int:
         return len(self.decodes) + sum(n for _, n in self.prefills)
 
+    @property
+    def sequences(self) -> list[Sequence]:
+        return self.decodes + [s for s, _ in self.prefills]
+
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Scheduler:
-    """Owns the `waiting` and `running` queues and the idle owners' resident KV.
+    """Owns the `waiting` and `running` queues; idle owners' KV lives in `resident`.
 
     Admission is first-come-first-served and only when a request's prompt blocks fit. When the
     pool is short it first calls the memory-pressure hook (the session layer persists idle
-    sessions there), then drops the least recently used resident KV, then preempts the
+    owners' KV there), then drops the least recently used resident KV, then preempts the
     youngest running sequence.
     """
 
@@ -70,9 +58,12 @@ class Scheduler:
         self.memory_pressure = memory_pressure
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.resident: OrderedDict[str, ResidentKV] = OrderedDict()  # LRU first
+        self.resident = ResidentCache(pool)
         self.num_preemptions = 0
-        self.num_resident_dropped = 0
+
+    @property
+    def num_resident_dropped(self) -> int:
+        return self.resident.num_dropped
 
     # -- queues -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -90,42 +81,24 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         if seq.retain and seq.owner is not None and seq.block_table and seq.num_computed:
-            self.drop_resident(seq.owner)
             keep = self.pool.blocks_for(seq.num_computed)
             self.pool.free(seq.block_table[keep:])
-            self.resident[seq.owner] = ResidentKV(seq.token_ids[: seq.num_computed],
-                                                  seq.block_table[:keep])
+            self.resident.put(seq.owner, ResidentKV(seq.token_ids[: seq.num_computed],
+                                                    seq.block_table[:keep]))
         else:
             self.pool.free(seq.block_table)
         seq.block_table = []
 
-    # -- resident KV --------------------------------------------------------------------
-    def drop_resident(self, owner: str) -> bool:
-        entry = self.resident.pop(owner, None)
-        if entry is None:
-            return False
-        self.pool.free(entry.block_table)
-        return True
-
-    def put_resident(self, owner: str, entry: ResidentKV) -> None:
-        self.drop_resident(owner)
-        self.resident[owner] = entry
-
-    def _reclaim(self, needed: int, keep_owner: str | None = None) -> bool:
+    def reclaim(self, needed: int, keep_owner: str | None = None) -> bool:
         """Try to make `needed` blocks free without touching running sequences."""
         if self.pool.can_allocate(needed):
             return True
-        if self.memory_pressure is not None and self.resident:
+        if self.memory_pressure is not None and len(self.resident):
             try:
                 self.memory_pressure(needed - self.pool.num_free, keep_owner)
             except Exception:  # the hook is the session layer's; a bug there must not stop us
                 log.exception("memory-pressure hook failed")
-        for owner in list(self.resident):
-            if self.pool.can_allocate(needed):
-                break
-            if owner != keep_owner:
-                self.drop_resident(owner)
-                self.num_resident_dropped += 1
+        self.resident.evict_lru(needed, keep_owner)
         return self.pool.can_allocate(needed)
 
     # -- planning -----------------------------------------------------------------------
@@ -146,7 +119,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted while making room for an older one
             need = self.pool.blocks_for(seq.num_tokens) - len(seq.block_table)
-            while need > 0 and not self._reclaim(need):
+            while need > 0 and not self.reclaim(need):
                 victim = self.running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)
@@ -157,33 +130,43 @@ class Scheduler:
 
     def _reusable(self, seq: Sequence) -> int:
         """Tokens of the owner's resident KV that the sequence can reuse (its last is new)."""
-        entry = self.resident.get(seq.owner) if seq.owner is not None else None
-        if entry is None:
-            return 0
-        return min(common_prefix(entry.token_ids, seq.token_ids), seq.num_tokens - 1)
+        return min(self.resident.reusable(seq.owner, seq.token_ids), seq.num_tokens - 1)
 
     def _admit(self, seq: Sequence) -> bool:
         """Move the head of `waiting` to `running` if its blocks fit, reusing its owner's KV."""
         reuse = self._reusable(seq)
-        if not self._reclaim(self.pool.blocks_for(seq.num_tokens)
-                             - self.pool.blocks_for(reuse), keep_owner=seq.owner):
+        if seq.owner is not None:
+            # what this prompt cannot reuse is stale: free it now, or a prompt whose prefix
+            # changed early could wait forever behind its own owner's protected KV
+            self.resident.trim(seq.owner, reuse)
+        if not self.reclaim(self.pool.blocks_for(seq.num_tokens) - self.pool.blocks_for(reuse),
+                            keep_owner=seq.owner):
             return False
         if self._reusable(seq) != reuse:  # a hook released the owner's KV after all
             reuse = 0
-            if not self._reclaim(self.pool.blocks_for(seq.num_tokens)):
+            if not self.reclaim(self.pool.blocks_for(seq.num_tokens)):
                 return False
-        keep = self.pool.blocks_for(reuse)
-        need = self.pool.blocks_for(seq.num_tokens) - keep
-        entry = self.resident.pop(seq.owner, None) if seq.owner is not None else None
+        entry = self.resident.take(seq.owner) if seq.owner is not None else None
         if entry is not None:
-            self.pool.free(entry.block_table[keep:])
-            seq.block_table = entry.block_table[:keep]
+            seq.block_table = entry.block_table
             seq.num_computed = reuse
-        seq.block_table += self.pool.allocate(need)
+        seq.block_table += self.pool.allocate(
+            self.pool.blocks_for(seq.num_tokens) - len(seq.block_table))
         seq.status = SequenceStatus.RUNNING
         self.waiting.popleft()
         self.running.append(seq)
         return True
+
+    def _plan_tokens(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
+        """Add `seq`'s work to the plan: a decode only when its last token alone is left
+        uncomputed (only then are its logits the next token's), else a prefill chunk.
+        Returns the budget left."""
+        if seq.num_uncomputed == 1:
+            plan.decodes.append(seq)
+            return budget - 1
+        n = min(seq.num_uncomputed, budget)
+        plan.prefills.append((seq, n))
+        return budget - n
 
     def schedule(self, token_budget: int) -> StepPlan:
         """Plan one step under `token_budget` tokens (decodes always run)."""
@@ -195,25 +178,19 @@ class Scheduler:
         budget = max(token_budget - len(plan.decodes), MIN_PREFILL_CHUNK)
         for seq in self.running:
             if seq.num_uncomputed > 1 and budget > 0:
-                n = min(seq.num_uncomputed, budget)
-                plan.prefills.append((seq, n))
-                budget -= n
+                budget = self._plan_tokens(plan, seq, budget)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self._admit(seq):
                 break
-            n = min(seq.num_uncomputed, budget)
-            if n == 1:
-                plan.decodes.append(seq)  # a fully cached prompt needs only its last token
-            else:
-                plan.prefills.append((seq, n))
-            budget -= n
+            budget = self._plan_tokens(plan, seq, budget)
         return plan
 
     def check_integrity(self) -> None:
         """Every used block is held by exactly one running sequence or resident entry."""
         self.pool.check_integrity()
-        held = [b for s in self.running for b in s.block_table]
-        held += [b for e in self.resident.values() for b in e.block_table]
+        held = [b for s in self.running for b in s.block_table] + self.resident.blocks()
         assert len(held) == len(set(held)) == self.pool.num_used, (len(held), self.pool.num_used)
         assert not any(s.block_table for s in self.waiting)
+        for seq in self.running:
+            assert len(seq.block_table) * self.pool.block_size >= seq.num_computed

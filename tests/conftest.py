@@ -11,6 +11,7 @@ import pytest
 from engine import Engine, EngineConfig
 from engine.chat_format import ChatFormatter
 from engine.loader import LoadedModel, load_model
+from engine.model_runner import ModelRunner, RunnerFactory
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
@@ -23,7 +24,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def nf4_model(model_dir: Path) -> LoadedModel:
-    """The embedded model in the default mode: nf4 weights, bfloat16 compute."""
+    """The embedded model in the default mode: nf4 weights, bfloat16 compute where the CPU has
+    it natively (float32 elsewhere)."""
     return load_model(EngineConfig(data_dir=model_dir))
 
 
@@ -38,11 +40,12 @@ def formatter(nf4_model: LoadedModel) -> ChatFormatter:
     return ChatFormatter(nf4_model.tokenizer)
 
 
-def make_engine(loaded: LoadedModel, tmp: Path, **overrides: object) -> Engine:
+def make_engine(loaded: LoadedModel, tmp: Path, runner: RunnerFactory = ModelRunner,
+                **overrides: object) -> Engine:
     """An engine over an already loaded model (small pool unless overridden)."""
     settings: dict[str, object] = {"data_dir": tmp, "kv_budget_mb": 64}
     settings.update(overrides)
-    return Engine(EngineConfig(**settings), loaded)  # type: ignore[arg-type]
+    return Engine(EngineConfig(**settings), loaded, runner=runner)  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import torch
 
 from engine import (
     Engine,
+    EngineStopped,
     FinishReason,
     InvalidRequest,
     PromptTooLong,
@@ -19,7 +20,10 @@ from engine import (
     ServerBusy,
 )
 from engine.chat_format import ChatFormatter
+from engine.kv_cache import bytes_per_token
 from engine.loader import LoadedModel
+from engine.model_runner import ModelRunner
+from engine.scheduler import StepPlan
 from tests.conftest import make_engine
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24)
@@ -84,8 +88,8 @@ def test_tiny_pool_completes_everything_by_queueing_and_preemption(
     nf4_model: LoadedModel, formatter: ChatFormatter, tmp_path: Path
 ) -> None:
     # 6 blocks of 16 tokens: room for about two of these conversations at a time
-    engine = make_engine(nf4_model, tmp_path, kv_budget_mb=6 * 16 * 23040 / 2**20,
-                         max_model_len=96)
+    engine = make_engine(nf4_model, tmp_path, max_model_len=96,
+                         kv_budget_mb=6 * 16 * bytes_per_token(nf4_model) / 2**20)
     try:
         assert engine.pool.num_blocks == 6
         p = formatter.encode([{"role": "system", "content": "Be brief."},
@@ -111,8 +115,8 @@ def test_cancel_frees_blocks_at_once(nf4_engine: Engine, formatter: ChatFormatte
     next(it)
     assert nf4_engine.stats().blocks_used > 0
     h.cancel()
-    assert list(it) is not None
-    assert h.finish_reason is FinishReason.CANCELLED
+    list(it)  # the stream ends after the cancel, without an error
+    assert h.finish_reason is FinishReason.CANCELLED and len(h.token_ids) < 2000
     nf4_engine.check_integrity()  # runs after the cancel message on the engine thread
     assert nf4_engine.stats().blocks_used == 0
 
@@ -148,24 +152,89 @@ def test_bad_requests_get_clear_errors_while_others_continue(
         engine.shutdown()
 
 
-def test_a_crashing_step_fails_only_its_requests(
-    nf4_engine: Engine, formatter: ChatFormatter
-) -> None:
-    calls = {"n": 0}
+class ExplodingOnce:
+    """The real model runner, except that its first step raises."""
 
-    def explode_once(plan: object) -> None:
-        calls["n"] += 1
-        if calls["n"] == 1:
+    def __init__(self, loaded: LoadedModel, cache: object) -> None:
+        self.inner = ModelRunner(loaded, cache)  # type: ignore[arg-type]
+        self.stop_ids = self.inner.stop_ids
+        self.calls = 0
+
+    def run(self, plan: StepPlan) -> dict:
+        self.calls += 1
+        if self.calls == 1:
             raise RuntimeError("injected fault")
+        return self.inner.run(plan)
 
-    nf4_engine._step_hook = explode_once
-    victim = nf4_engine.submit(ask(formatter, "Hi"), GREEDY)
-    with pytest.raises(RequestFailed, match="injected fault"):
-        victim.result()
-    assert victim.finish_reason is FinishReason.ERROR
-    after = nf4_engine.submit(ask(formatter, "What is the capital of France?"), GREEDY)
-    assert "Paris" in after.result()
+
+def test_a_crashing_step_fails_only_its_requests(
+    nf4_model: LoadedModel, formatter: ChatFormatter, tmp_path: Path
+) -> None:
+    engine = make_engine(nf4_model, tmp_path, runner=ExplodingOnce)
+    try:
+        victim = engine.submit(ask(formatter, "Hi"), GREEDY)
+        with pytest.raises(RequestFailed, match="injected fault"):
+            victim.result()
+        assert victim.finish_reason is FinishReason.ERROR
+        after = engine.submit(ask(formatter, "What is the capital of France?"), GREEDY)
+        assert "Paris" in after.result()
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+def test_a_dead_engine_thread_fails_everything_and_refuses_new_work(
+    nf4_engine: Engine, formatter: ChatFormatter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = threading.Event()
+    real = nf4_engine.scheduler.schedule
+
+    def broken(budget: int) -> object:
+        gate.wait(5)
+        raise MemoryError("injected outside the step's try")
+
+    waiting = nf4_engine.submit(ask(formatter, "Hi"), GREEDY)
+    monkeypatch.setattr(nf4_engine.scheduler, "schedule", broken)
+    gate.set()
+    with pytest.raises(RequestFailed, match="engine failed"):
+        waiting.result()  # would wait forever if the thread just died
+    with pytest.raises(EngineStopped, match="engine failed"):
+        nf4_engine.submit(ask(formatter, "Hi"), GREEDY)
+    stats = nf4_engine.stats()
+    assert not stats.alive and "MemoryError" in (stats.failure or "")
+    assert nf4_engine.resident_kv() == {}  # calls still answer
+    monkeypatch.setattr(nf4_engine.scheduler, "schedule", real)
+
+
+def test_min_tokens_works_on_a_float32_model(fp32_model: LoadedModel, formatter: ChatFormatter,
+                                             tmp_path: Path) -> None:
+    engine = make_engine(fp32_model, tmp_path)
+    try:
+        for temperature in (0.0, 0.8):
+            h = engine.submit(ask(formatter, "Say nothing."), SamplingParams(
+                temperature=temperature, min_new_tokens=6, max_new_tokens=8, seed=1))
+            h.result()
+            assert h.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+            assert len(h.token_ids) >= 6
+    finally:
+        engine.shutdown()
+
+
+def test_a_failed_kv_import_leaks_no_blocks(
+    nf4_engine: Engine, formatter: ChatFormatter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    nf4_engine.submit(ask(formatter, "Hi"), GREEDY, owner="s", retain=True).result()
+    kv = nf4_engine.export_kv("s")
+    nf4_engine.drop_kv("s")
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("injected copy failure")
+
+    monkeypatch.setattr(nf4_engine.cache, "load", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        nf4_engine.import_kv("s", kv)
     nf4_engine.check_integrity()
+    assert nf4_engine.stats().blocks_used == 0
 
 
 def test_submit_from_many_threads_batches_them(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from engine.block_pool import BlockPool
-from engine.scheduler import ResidentKV, Scheduler
+from engine.resident import ResidentKV
+from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 
@@ -12,9 +13,11 @@ def seq(n: int, owner: str | None = None, retain: bool = False) -> Sequence:
 
 
 def advance(sched: Scheduler, budget: int = 64) -> None:
-    """Pretend the model ran the plan: compute the tokens, append one to finished prefills."""
+    """Pretend the model ran the plan: compute the tokens, append one to finished prefills.
+    Checks what the model runner relies on: a decode is a sequence's last uncomputed token."""
     plan = sched.schedule(budget)
     for s in plan.decodes:
+        assert s.num_uncomputed == 1, "a prompt token would be sampled as a reply token"
         s.num_computed += 1
         s.token_ids.append(7)
     for s, n in plan.prefills:
@@ -70,8 +73,8 @@ def test_youngest_is_preempted_when_a_decode_needs_a_block() -> None:
 def test_resident_kv_is_reused_for_the_owner_and_dropped_lru_under_pressure() -> None:
     pool = BlockPool(6, 4)
     sched = Scheduler(pool, max_num_seqs=8)
-    sched.put_resident("alice", ResidentKV(list(range(1, 9)), pool.allocate(2)))
-    sched.put_resident("bob", ResidentKV(list(range(1, 9)), pool.allocate(2)))
+    sched.resident.put("alice", ResidentKV(list(range(1, 9)), pool.allocate(2)))
+    sched.resident.put("bob", ResidentKV(list(range(1, 9)), pool.allocate(2)))
     # alice continues her conversation: 8 cached tokens + 4 new ones
     turn = seq(12, owner="alice")
     sched.add(turn)
@@ -89,12 +92,12 @@ def test_resident_kv_is_reused_for_the_owner_and_dropped_lru_under_pressure() ->
 def test_memory_pressure_hook_is_asked_before_dropping() -> None:
     pool = BlockPool(2, 4)
     sched = Scheduler(pool, max_num_seqs=8)
-    sched.put_resident("idle", ResidentKV([1, 2, 3, 4], pool.allocate(2)))
+    sched.resident.put("idle", ResidentKV([1, 2, 3, 4], pool.allocate(2)))
     asked: list[int] = []
 
     def hook(short: int, protected: str | None) -> None:
         asked.append(short)
-        sched.drop_resident("idle")  # the session layer persists it, then frees it
+        sched.resident.drop("idle")  # the session layer persists it, then frees it
 
     sched.memory_pressure = hook
     sched.add(seq(6))
@@ -110,6 +113,32 @@ def test_finished_retained_sequence_becomes_resident() -> None:
     sched.add(s)
     advance(sched)
     sched.remove(s)
-    entry = sched.resident["carol"]
+    entry = sched.resident.get("carol")
     assert entry.token_ids == list(range(1, 7)) and len(entry.block_table) == 2
+    sched.check_integrity()
+
+
+def test_a_prompt_admitted_with_one_token_of_budget_left_is_prefilled_not_sampled() -> None:
+    sched = Scheduler(BlockPool(100, 16), max_num_seqs=8)
+    first, second = seq(31), seq(20)
+    sched.add(first)
+    sched.add(second)
+    plan = sched.schedule(32)
+    assert plan.decodes == []
+    assert plan.prefills == [(first, 31), (second, 1)]
+    advance(sched, 32)  # the helper's own check: no decode with prompt tokens left
+    sched.check_integrity()
+
+
+def test_a_changed_prefix_is_admitted_although_its_owner_holds_stale_kv() -> None:
+    pool = BlockPool(6, 16)
+    sched = Scheduler(pool, max_num_seqs=8)
+    sched.resident.put("alice", ResidentKV(list(range(1, 81)), pool.allocate(5)))
+    edited = Sequence([1, 2, 3] + list(range(500, 577)), SamplingParams(), owner="alice")
+    bystander = seq(10)
+    sched.add(edited)
+    sched.add(bystander)
+    plan = sched.schedule(512)
+    assert [s for s, _ in plan.prefills] == [edited, bystander]
+    assert edited.num_computed == 3  # the shared prefix is still reused
     sched.check_integrity()

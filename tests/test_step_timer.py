@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from engine.metrics import Histogram, StepTimer
+from engine.budget import StepTimer
+from engine.metrics import Histogram
 
 # synthetic steps: 10 ms fixed, 0.5 ms per token, 0.001 ms per query-key pair
 STEPS = [(16, 2000), (64, 9000), (128, 60000), (256, 150000), (300, 20000), (40, 300),

@@ -1,0 +1,122 @@
+"""After each step: sampled tokens become stream deltas, latency samples and finished requests."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.handle import RequestHandle
+from engine.metrics import Metrics
+from engine.scheduler import Scheduler, StepPlan
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    """A request as the engine thread tracks it: its sequence, its caller's handle, its text."""
+
+    seq: Sequence
+    handle: RequestHandle
+    detok: IncrementalDetokenizer
+    admitted: bool = False  # left the queue (counts no more against --max-queue)
+
+
+class OutputProcessor:
+    """Owns the engine thread's table of live requests and ends each one exactly once.
+
+    `left_queue` is called once for every request that stops counting against the queue cap
+    (admitted, or ended before it was admitted).
+    """
+
+    def __init__(self, scheduler: Scheduler, metrics: Metrics, stop_ids: list[int],
+                 max_model_len: int, left_queue: Callable[[], None]) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.stop_ids = frozenset(stop_ids)
+        self.max_model_len = max_model_len
+        self.left_queue = left_queue
+        self.requests: dict[int, Request] = {}
+
+    def add(self, req: Request) -> None:
+        self.requests[req.seq.seq_id] = req
+        self.scheduler.add(req.seq)
+
+    def cancel(self, seq_id: int) -> None:
+        req = self.requests.get(seq_id)
+        if req is not None:
+            self.finish(req, FinishReason.CANCELLED)
+
+    def count_admitted(self) -> None:
+        """Requests that reached the running batch leave the queue."""
+        for seq in self.scheduler.running:
+            req = self.requests.get(seq.seq_id)
+            if req is not None and not req.admitted:
+                req.admitted = True
+                req.handle.num_cached_tokens = seq.num_computed
+                self.left_queue()
+
+    def process(self, plan: StepPlan, next_tokens: dict[Sequence, int], now: float) -> None:
+        """Record what the step computed and hand each sampled token to its request."""
+        for seq in plan.decodes:
+            seq.num_computed += 1
+        for seq, n in plan.prefills:
+            seq.num_computed += n
+        for seq, token in next_tokens.items():
+            self._append(self.requests[seq.seq_id], token, now)
+
+    def fail(self, seqs: list[Sequence], error: str) -> None:
+        for seq in seqs:
+            req = self.requests.get(seq.seq_id)
+            if req is not None:
+                self.finish(req, FinishReason.ERROR, error)
+
+    def fail_all(self, error: str) -> None:
+        for req in list(self.requests.values()):
+            self.finish(req, FinishReason.ERROR, error)
+
+    def _append(self, req: Request, token: int, now: float) -> None:
+        seq, p = req.seq, req.seq.params
+        seq.token_ids.append(token)
+        req.handle.token_ids.append(token)
+        with self.metrics.lock:
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                self.metrics.ttft.append(now - seq.arrival)
+                self.metrics.ttft_hist.observe(now - seq.arrival)
+            else:
+                self.metrics.itl.append(now - seq.last_token_at)
+                self.metrics.itl_hist.observe(now - seq.last_token_at)
+        seq.last_token_at = now
+        reason = None
+        if token in self.stop_ids and not p.ignore_eos:
+            reason = FinishReason.STOP
+        else:
+            req.handle._push(req.detok.push(token))
+            if req.detok.stopped:
+                reason = FinishReason.STOP
+            elif seq.num_generated >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+        if reason is not None:
+            self.finish(req, reason)
+
+    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        """End the request: free or retain its blocks, flush its text, wake its caller."""
+        seq = req.seq
+        if seq.status is not SequenceStatus.FINISHED:
+            if not req.admitted:
+                req.admitted = True
+                self.left_queue()
+            self.scheduler.remove(seq)
+        self.requests.pop(seq.seq_id, None)
+        if reason is not FinishReason.ERROR:
+            req.handle._push(req.detok.flush())
+        with self.metrics.lock:
+            if reason is FinishReason.ERROR:
+                self.metrics.failed += 1
+            else:
+                self.metrics.finished += 1
+        req.handle._finish(reason, error)

@@ -1,0 +1,131 @@
+"""A model-free stand-in for the engine's step runner: the real scheduler, pool, KV cache and
+engine loop run around it in milliseconds, and it checks their work on every step.
+
+The fake "model" is a deterministic function of the token ids so far, so every request has one
+exact expected reply (`expected_reply`), whatever the batching, chunking, preemption or KV
+reuse did. Its KV cache holds each position's token id, so a step that attends to stale or
+foreign KV is caught the moment it runs.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import torch
+
+from engine import Engine, EngineConfig
+from engine.kv_cache import KVCache
+from engine.loader import LoadedModel
+from engine.scheduler import MIN_PREFILL_CHUNK, StepPlan
+from engine.sequence import Sequence
+
+VOCAB = 1000
+EOS = 2
+
+
+class FakeTokenizer:
+    """One lowercase letter per token id; enough for the detokenizer and stop strings."""
+
+    eos_token_id = EOS
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in ids if t != EOS)
+
+
+def fake_loaded(max_position: int = 512) -> LoadedModel:
+    """A LoadedModel with no weights: 1 layer, 1 KV head of width 1, float32 on the CPU."""
+    return LoadedModel(
+        model=SimpleNamespace(config=SimpleNamespace(vocab_size=VOCAB)),  # type: ignore[arg-type]
+        tokenizer=FakeTokenizer(),  # type: ignore[arg-type]
+        model_id="fake", weights_hash="0", quant="none", device=torch.device("cpu"),
+        dtype=torch.float32, model_bytes=0, num_layers=1, num_kv_heads=1, head_dim=1,
+        max_position=max_position,
+    )
+
+
+def next_token(ids: list[int]) -> int:
+    """The fake model's greedy choice after `ids`: EOS about one time in 29."""
+    h = (sum(ids[-4:]) * 2654435761 + len(ids) * 40503) % 1_000_003
+    return EOS if h % 29 == 0 else 3 + h % (VOCAB - 3)
+
+
+def expected_reply(prompt: list[int], max_new_tokens: int, max_model_len: int,
+                   ignore_eos: bool = False) -> list[int]:
+    """What a request must produce, run alone and without any cache."""
+    ids, out = list(prompt), []
+    while True:
+        t = next_token(ids)
+        ids.append(t)
+        out.append(t)
+        if (t == EOS and not ignore_eos) or len(out) >= max_new_tokens \
+                or len(ids) >= max_model_len:
+            return out
+
+
+class FakeRunner:
+    """The StepRunner protocol without a model. On every step it asserts that block
+    accounting is exact, the step fits its budget, no prompt token is sampled, and every
+    position a sequence attends to holds that sequence's own token in the KV cache."""
+
+    def __init__(self, loaded: LoadedModel, cache: KVCache, step_s_per_token: float = 0.0) -> None:
+        self.cache = cache
+        self.stop_ids = [EOS]
+        self.engine: Engine | None = None  # set right after the engine is built
+        self.steps = 0
+        self.step_s_per_token = step_s_per_token
+        self._checked: dict[int, int] = {}  # seq id -> positions whose KV was checked
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        bs = self.cache.block_size
+        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def run(self, plan: StepPlan) -> dict[Sequence, int]:
+        self.steps += 1
+        engine = self.engine
+        assert engine is not None
+        engine.scheduler.check_integrity()
+        assert plan.num_tokens <= max(engine.budget.last, len(plan.decodes) + MIN_PREFILL_CHUNK)
+        for seq in plan.decodes:
+            assert seq.num_uncomputed == 1, f"seq {seq.seq_id}: a prompt token sampled"
+        for seq, n in plan.prefills:
+            assert 0 < n <= seq.num_uncomputed, (seq.seq_id, n, seq.num_uncomputed)
+        # every position attended to holds this sequence's own token (checked once each:
+        # a position's KV changes only if its blocks change, which check_integrity covers)
+        read, want, write, values = [], [], [], []
+        work = [(s, 1) for s in plan.decodes] + plan.prefills
+        for seq, n in work:
+            start = self._checked.get(seq.seq_id, 0)
+            start = 0 if start > seq.num_computed else start  # preempted: recomputed from 0
+            read += self._slots(seq, start, seq.num_computed)
+            want += seq.token_ids[start: seq.num_computed]
+            self._checked[seq.seq_id] = seq.num_computed + n
+            write += self._slots(seq, seq.num_computed, seq.num_computed + n)
+            values += seq.token_ids[seq.num_computed: seq.num_computed + n]
+        k = self.cache.k[0][0, :, 0]  # [slots]
+        assert k[torch.tensor(read, dtype=torch.long)].long().tolist() == want, "stale KV"
+        k[torch.tensor(write, dtype=torch.long)] = torch.tensor(values, dtype=torch.float32)
+        out = {seq: next_token(seq.token_ids) for seq, n in work
+               if seq.num_computed + n == seq.num_tokens}
+        if self.step_s_per_token:
+            time.sleep(self.step_s_per_token * plan.num_tokens)
+        return out
+
+
+def fake_engine(num_blocks: int, block_size: int = 16, max_position: int = 512,
+                step_s_per_token: float = 0.0, **settings: object) -> tuple[Engine, FakeRunner]:
+    """An Engine over the fake model with a pool of exactly `num_blocks` blocks."""
+    loaded = fake_loaded(max_position)
+    per_block = 2 * 4 * block_size  # K and V, 1 layer, 1 head of width 1, float32
+    config = EngineConfig(block_size=block_size, kv_budget_mb=num_blocks * per_block / 2**20,
+                          **settings)  # type: ignore[arg-type]
+    made: list[FakeRunner] = []
+
+    def factory(loaded: LoadedModel, cache: KVCache) -> FakeRunner:
+        made.append(FakeRunner(loaded, cache, step_s_per_token))
+        return made[0]
+
+    engine = Engine(config, loaded, runner=factory)
+    made[0].engine = engine
+    assert engine.pool.num_blocks == num_blocks
+    return engine, made[0]
