@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -129,3 +130,79 @@ def test_fp32_chunked_prefill_changes_nothing(fp32_model: LoadedModel, tmp_path:
         assert chunked.stats().steps > len(long_prompt) // 64
     finally:
         chunked.shutdown()
+
+
+def test_fp32_prompts_admitted_at_the_end_of_a_small_budget_change_nothing(
+    fp32_model: LoadedModel, tmp_path: Path
+) -> None:
+    """With a 32-token budget, a 31-token prompt leaves 1 token for the next one admitted in
+    the same step: that token must be a prefill chunk, never sampled as a reply token."""
+    formatter = ChatFormatter(fp32_model.tokenizer)
+    long_prompt = formatter.encode([{"role": "user", "content": " ".join(QUESTIONS)}])
+    first, second = long_prompt[:31], prompts(formatter)[1]
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    engine = make_engine(fp32_model, tmp_path, max_num_batched_tokens=32)
+    try:
+        solo = [engine.generate([p], params)[0] for p in (first, second)]
+        gate = threading.Event()
+        # hold the engine thread so both prompts are admitted in one step
+        holder = threading.Thread(target=engine._call, args=(lambda: gate.wait(10),))
+        holder.start()
+        handles = [engine.submit(p, params) for p in (first, second)]
+        gate.set()
+        holder.join()
+        assert [h.result() is not None and h.token_ids for h in handles] == solo
+    finally:
+        engine.shutdown()
+
+
+def continue_conversation(engine, formatter: ChatFormatter, owner: str | None,
+                          reply: str) -> list[int]:
+    conv = [{"role": "user", "content": QUESTIONS[3]}, {"role": "assistant", "content": reply},
+            {"role": "user", "content": QUESTIONS[5]}]
+    h = engine.submit(formatter.encode(conv), GREEDY, owner=owner, retain=owner is not None)
+    h.result()
+    return h.token_ids, h.num_cached_tokens
+
+
+def test_fp32_a_continuation_on_reused_or_restored_kv_equals_a_cold_recompute(
+    fp32_model: LoadedModel, tmp_path: Path
+) -> None:
+    formatter = ChatFormatter(fp32_model.tokenizer)
+    engine = make_engine(fp32_model, tmp_path)
+    try:
+        first = formatter.encode([{"role": "user", "content": QUESTIONS[3]}])
+        turn = engine.submit(first, GREEDY, owner="s", retain=True)
+        reply = turn.result()
+        cold, cached = continue_conversation(engine, formatter, None, reply)
+        assert cached == 0
+        kv = engine.export_kv("s")
+        assert engine.drop_kv("s") and engine.import_kv("s", kv)  # as a restore does
+        warm, cached = continue_conversation(engine, formatter, "s", reply)
+        assert cached >= len(first)  # the first turn's KV was reused, not recomputed
+        assert warm == cold
+    finally:
+        engine.shutdown()
+
+
+def test_nf4_logits_on_reused_kv_match_a_cold_prefill_within_tolerance(
+    nf4_model: LoadedModel, formatter: ChatFormatter, tmp_path: Path
+) -> None:
+    """Reusing KV means the new tokens are prefilled after a cached prefix, like a second
+    chunk: their logits must match one whole prefill (tolerance as for batching above)."""
+    engine = make_engine(nf4_model, tmp_path)
+    engine.shutdown()  # drive the runner directly on this thread
+    p = prompts(formatter)[7]
+    whole = first_step_logits(engine, [Sequence(list(p), GREEDY)])
+    seq = Sequence(list(p), GREEDY)
+    seq.block_table = engine.pool.allocate(engine.pool.blocks_for(seq.num_tokens))
+    try:
+        cut = len(p) // 2
+        engine.runner.forward(StepPlan(prefills=[(seq, cut)]))  # the cached prefix
+        seq.num_computed = cut
+        reused = engine.runner.forward(StepPlan(prefills=[(seq, len(p) - cut)])).float()
+    finally:
+        engine.pool.free(seq.block_table)
+    assert torch.equal(reused.argmax(-1), whole.argmax(-1))
+    assert ((reused - whole).abs() / whole.std(dim=-1, keepdim=True)).max() < 0.1
+    engine.check_integrity()
