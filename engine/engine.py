@@ -18,7 +18,7 @@ from engine.block_pool import BlockPool
 from engine.budget import TokenBudget
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineStopped, InvalidRequest, PromptTooLong, ServerBusy
+from engine.errors import EngineStopped, InvalidRequest, ServerBusy
 from engine.handle import RequestHandle
 from engine.kv_cache import KVCache, bytes_per_token, pool_blocks
 from engine.loader import LoadedModel, load_model
@@ -28,7 +28,7 @@ from engine.model_runner import ModelRunner, RunnerFactory
 from engine.output import OutputProcessor, Request
 from engine.resident import KVExport
 from engine.scheduler import Scheduler, StepPlan
-from engine.sequence import FinishReason, SamplingParams, Sequence
+from engine.sequence import FinishReason, SamplingParams, Sequence, check_prompt
 from engine.threads import run_in_fresh_thread
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class Engine:
             ServerBusy: the queue is full. EngineStopped: shutting down, or the engine failed.
         """
         params = params or SamplingParams()
-        ids = self._check_prompt(prompt_token_ids)
+        ids = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         seq = Sequence(ids, params, owner=owner, retain=retain and owner is not None)
         handle = RequestHandle(seq.seq_id, len(ids), self._cancel)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
@@ -197,16 +197,6 @@ class Engine:
         self._thread.join(timeout)
 
     # -- internals ----------------------------------------------------------------------
-    def _check_prompt(self, ids: list[int]) -> list[int]:
-        if not isinstance(ids, (list, tuple)) or not ids:
-            raise InvalidRequest("the prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-            raise InvalidRequest("the prompt contains invalid token ids")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLong(f"the prompt is {len(ids)} tokens; this server accepts at most "
-                                f"{self.max_model_len - 1} (model length and KV pool)")
-        return list(ids)
-
     def _call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread and return its result (on the caller's thread once
         the engine thread has ended: then nothing else touches the pool)."""

@@ -8,7 +8,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequest
+from engine.errors import InvalidRequest, PromptTooLong
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_LEN = 256
@@ -52,6 +52,18 @@ class SamplingParams:
         need(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in stop),
              f"stop strings must be non-empty strings of at most {MAX_STOP_LEN} characters")
         object.__setattr__(self, "stop", stop)
+
+
+def check_prompt(ids: object, vocab_size: int, max_model_len: int) -> list[int]:
+    """The prompt's token ids as a list, or the error saying why it can never be served."""
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise InvalidRequest("the prompt is empty")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        raise InvalidRequest("the prompt contains invalid token ids")
+    if len(ids) >= max_model_len:
+        raise PromptTooLong(f"the prompt is {len(ids)} tokens; this server accepts at most "
+                            f"{max_model_len - 1} (model length and KV pool)")
+    return list(ids)
 
 
 class SequenceStatus(enum.Enum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import CANDIDATES, sample_row
+from engine.sampler import CANDIDATES, sample, sample_row
 from engine.sequence import SamplingParams, Sequence
 
 
@@ -54,3 +54,12 @@ def test_seeds_reproduce() -> None:
     a = [sample_row(logits, s) for s in [Sequence([1], SamplingParams(seed=9))] * 20]
     b = [sample_row(logits, s) for s in [Sequence([1], SamplingParams(seed=9))] * 20]
     assert a == b and len(set(a)) > 5
+
+
+def test_min_tokens_masks_stop_ids_on_float32_inference_logits() -> None:
+    with torch.inference_mode():  # the model's logits are inference tensors
+        logits = torch.zeros(2, 8)
+        logits[:, 3] = 10.0  # the stop id would win
+    seqs = [Sequence([1], SamplingParams(temperature=0, min_new_tokens=2)),
+            Sequence([1], SamplingParams(temperature=0))]
+    assert sample(logits, seqs, stop_ids=[3]) == [0, 3]
