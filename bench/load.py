@@ -154,13 +154,20 @@ async def user(http: httpx.AsyncClient, turns: int, new_tokens: int, think: tupl
 
 
 async def run_point(server: Server, users: int, turns: int, new_tokens: int,
-                    think: tuple[float, float], until: float | None = None) -> dict:
+                    think: tuple[float, float], until: float | None = None,
+                    rss_every: float = 0.0) -> dict:
     stats = Stats()
     before = server.metrics()
     peak = {"rss": server.rss_mb() or 0.0, "blocks": 0.0}
+    series: list[tuple[float, float]] = []  # (seconds in, RSS MB) every `rss_every` seconds
+    start = time.perf_counter()
 
     async def watch() -> None:
         while True:
+            now = time.perf_counter() - start
+            if rss_every and (not series or now - series[-1][0] >= rss_every):
+                series.append((round(now), round(server.rss_mb() or 0.0, 1)))
+                print(json.dumps({"t_s": series[-1][0], "rss_mb": series[-1][1]}), flush=True)
             peak["rss"] = max(peak["rss"], server.rss_mb() or 0.0)
             peak["blocks"] = max(peak["blocks"],
                                  server.metrics().get("crowdchat_kv_blocks_used", 0))
@@ -188,6 +195,7 @@ async def run_point(server: Server, users: int, turns: int, new_tokens: int,
         "ttft_p50_by_kv_s": {k: pct(v, 50) for k, v in stats.ttft_by_kv.items()},
         "turns_by_kv": {k: len(v) for k, v in stats.ttft_by_kv.items()},
         "errors": dict(stats.errors), "peak_rss_mb": round(peak["rss"], 1),
+        "rss_series_mb": series,
         "kv_blocks_peak": peak["blocks"],
         "persists": delta("crowdchat_session_persists_total"),
         "restores": delta("crowdchat_session_restores_total"),
@@ -204,6 +212,8 @@ def main() -> None:
     ap.add_argument("--think", default="0,0", help="seconds between turns: MIN,MAX (e.g. 5,30)")
     ap.add_argument("--soak-seconds", type=float, default=0)
     ap.add_argument("--soak-users", type=int, default=16)
+    ap.add_argument("--rss-every", type=float, default=300.0,
+                    help="during the soak, print the server's RSS every this many seconds")
     ap.add_argument("--server-args", default="",
                     help="flags for the crowdchat it starts, e.g. '--idle-seconds 3'")
     args = ap.parse_args()
@@ -230,7 +240,8 @@ def main() -> None:
         if args.soak_seconds > 0:
             start_rss = server.rss_mb()
             soak = asyncio.run(run_point(server, args.soak_users, 0, args.new_tokens, think,
-                                         until=time.perf_counter() + args.soak_seconds))
+                                         until=time.perf_counter() + args.soak_seconds,
+                                         rss_every=args.rss_every))
             end_rss = server.rss_mb()
             soak.update({"soak_seconds": args.soak_seconds, "rss_start_mb": start_rss,
                          "rss_end_mb": end_rss})
