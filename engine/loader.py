@@ -225,7 +225,10 @@ def _load_model(config: EngineConfig) -> LoadedModel:
     )
     log.info(
         "loaded %s (%s, %s) on %s: %.1f MB of weights",
-        model_id, config.quant, str(dtype).removeprefix("torch."), device,
+        model_id,
+        config.quant,
+        str(dtype).removeprefix("torch."),
+        device,
         loaded.model_bytes / 2**20,
     )
     return loaded

@@ -22,12 +22,20 @@ def main() -> None:
     engine = Engine(EngineConfig(data_dir=data_dir, kv_budget_mb=64), loaded)
     sm = SessionManager(engine, SessionConfig(idle_seconds=3600), data_dir)
     sid = sm.create_session("victim")["id"]
-    sm.chat("victim", sid, "Tell me about the sea. " * 40,
-            SamplingParams(temperature=0, max_new_tokens=32)).result()
+    sm.chat(
+        "victim",
+        sid,
+        "Tell me about the sea. " * 40,
+        SamplingParams(temperature=0, max_new_tokens=32),
+    ).result()
     print("READY", sid, flush=True)
     if mode == "stream":
-        turn = sm.chat("victim", sid, "Now a very long story, please.",
-                       SamplingParams(temperature=0, max_new_tokens=4000, ignore_eos=True))
+        turn = sm.chat(
+            "victim",
+            sid,
+            "Now a very long story, please.",
+            SamplingParams(temperature=0, max_new_tokens=4000, ignore_eos=True),
+        )
         for i, _ in enumerate(turn):
             if i == 5:
                 print("STREAMING", flush=True)

