@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import struct
 from pathlib import Path
 
 import pytest
 
-from engine import EngineConfig, InvalidRequest, ModelLoadError
+from engine import EngineConfig, InvalidRequest, ModelLoadError, fingerprint
 from engine.chat_format import ChatFormatter
 from engine.loader import LoadedModel, embedded_gguf, load_model, resolve_checkpoint
 
@@ -102,3 +105,81 @@ def test_int8_quantization_loads_and_answers(model_dir: Path, tmp_path: Path) ->
         assert engine.loaded.quant == "int8"
     finally:
         engine.shutdown()
+
+
+# --- the snapshot fingerprint covers everything that determines K/V (issue 13) ---
+
+
+@pytest.fixture(scope="module")
+def tiny_model(nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Llama (weights file ~8 MB, > 2 x 1 MiB) with the embedded tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    directory = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    LlamaForCausalLM(config).save_pretrained(directory)
+    nf4_model.tokenizer.save_pretrained(directory)
+    return directory
+
+
+def same_named_copy(model: Path, tmp_path: Path) -> Path:
+    """A copy of `model` in a directory of the same name (so the model id is the same)."""
+    copy = tmp_path / "copy" / model.name
+    shutil.copytree(model, copy)
+    return copy
+
+
+def load_fingerprint(model: Path, data_dir: Path) -> dict:
+    config = EngineConfig(model=str(model), data_dir=data_dir, quant="none", dtype="float32")
+    return load_model(config).fingerprint(16)
+
+
+def test_the_same_model_has_the_same_fingerprint_and_is_hashed_once(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hashed = []
+    real = fingerprint.sha256_file
+    monkeypatch.setattr(fingerprint, "sha256_file", lambda p: hashed.append(p) or real(p))
+    first = load_fingerprint(tiny_model, tmp_path)
+    assert hashed == [tiny_model / "model.safetensors"]  # every byte, once
+    assert load_fingerprint(tiny_model, tmp_path) == first
+    assert len(hashed) == 1  # the second load took the digest from the cache
+    assert (tmp_path / fingerprint.CACHE_FILE).is_file()
+    assert first["device"] == "cpu" and "torch=" in first["numerics"]
+    assert "transformers=" in first["numerics"] and "bitsandbytes=" in first["numerics"]
+
+
+def test_a_changed_mlp_weight_in_the_middle_of_the_file_changes_the_fingerprint(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    copy = same_named_copy(tiny_model, tmp_path)
+    weights = copy / "model.safetensors"
+    size = weights.stat().st_size
+    header_len = struct.unpack("<Q", weights.read_bytes()[:8])[0]
+    header = json.loads(weights.read_bytes()[8 : 8 + header_len])
+    start, end = header["model.layers.0.mlp.down_proj.weight"]["data_offsets"]
+    middle = 8 + header_len + (start + end) // 2
+    assert 1 << 20 < middle < size - (1 << 20)  # outside the first and last MiB
+    with weights.open("r+b") as f:
+        f.seek(middle)
+        byte = f.read(1)
+        f.seek(middle)
+        f.write(bytes([byte[0] ^ 0x40]))
+    assert weights.stat().st_size == size
+    assert load_fingerprint(copy, tmp_path / "data") != load_fingerprint(tiny_model, tmp_path)
+
+
+def test_a_changed_rope_theta_in_config_json_changes_the_fingerprint(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    copy = same_named_copy(tiny_model, tmp_path)
+    config = json.loads((copy / "config.json").read_text())
+    rope = config["rope_parameters"] if "rope_parameters" in config else config
+    rope["rope_theta"] = rope["rope_theta"] * 2
+    (copy / "config.json").write_text(json.dumps(config))
+    assert load_fingerprint(copy, tmp_path) != load_fingerprint(tiny_model, tmp_path)
