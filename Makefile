@@ -27,8 +27,10 @@ run: $(STAMP)
 test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q $(ARGS)
 
+# one formatter for the whole tree: `ruff format .` fixes what --check reports
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py $(ARGS)

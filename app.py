@@ -11,6 +11,7 @@ import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import gradio as gr
 import uvicorn
@@ -20,7 +21,8 @@ from fastapi.responses import PlainTextResponse
 from api.metrics import build_metrics_router
 from api.openai_api import build_router
 from engine import CrowdchatError, Engine, EngineConfig
-from engine.config import env_default
+from engine.errors import InvalidRequest
+from engine.settings import Settings, setting
 from sessions import SessionConfig, SessionManager
 from ui.admin_page import build_admin_blocks
 from ui.auth import admin_checker, users_checker
@@ -33,24 +35,41 @@ STATIC = Path(__file__).resolve().parent / "static"
 
 
 @dataclass(frozen=True)
-class AppConfig:
+class AppConfig(Settings):
     """How the server is reached and who may use which page."""
 
-    host: str = "127.0.0.1"
-    port: int = 7860
-    auth_file: Path | None = None
-    admin_password: str | None = None
+    section: ClassVar[str] = "server"
 
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        g = parser.add_argument_group("server")
-        g.add_argument("--host", default=env_default("host", "127.0.0.1"))
-        g.add_argument("--port", type=int, default=env_default("port", 7860))
-        g.add_argument("--auth", dest="auth_file", type=Path, default=env_default("auth", None),
-                       help="users file (python -m ui.auth FILE NAME adds a user); without "
-                            "it every browser is its own anonymous user")
-        g.add_argument("--admin-password", default=env_default("admin_password", None),
-                       help="enables /admin (user 'admin'); without it /admin is disabled")
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(7860, "port to listen on")
+    auth_file: Path | None = setting(
+        None,
+        "users file for sign-in with hashed passwords (python -m ui.auth FILE NAME adds "
+        "a user); off: every browser is its own anonymous user",
+        flag="--auth",
+    )
+    admin_password: str | None = setting(
+        None, "enables /admin (user 'admin'); off: /admin is disabled"
+    )
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise InvalidRequest(f"invalid server setting: {msg}")
+
+        need(bool(self.host.strip()), "--host must not be empty")
+        need(1 <= self.port <= 65535, f"--port must be in 1..65535, not {self.port}")
+        if self.auth_file is not None:
+            object.__setattr__(self, "auth_file", Path(self.auth_file))
+            need(
+                self.auth_file.is_file(),
+                f"--auth users file not found: {self.auth_file} (python -m ui.auth "
+                f"{self.auth_file} NAME creates it)",
+            )
+        need(
+            self.admin_password is None or self.admin_password != "",
+            "--admin-password must not be empty (leave it out to disable /admin)",
+        )
 
 
 def browser_secret(data_dir: Path) -> str:
@@ -104,6 +123,7 @@ def cap_malloc_arenas(arenas: int = 2) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags of all three configs (each defaulting to its CROWDCHAT_* variable if set)."""
     ap = argparse.ArgumentParser(description="crowdchat: one model, a whole crowd of users")
     EngineConfig.add_arguments(ap)
     SessionConfig.add_arguments(ap)
@@ -119,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         engine_config = EngineConfig.from_namespace(args)
         session_config = SessionConfig.from_namespace(args)
-        app_config = AppConfig(args.host, args.port, args.auth_file, args.admin_password)
+        app_config = AppConfig.from_namespace(args)
         engine = Engine(engine_config)
     except CrowdchatError as e:
         sys.exit(f"crowdchat: {e}")
@@ -130,10 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     sessions = SessionManager(engine, session_config, engine_config.data_dir)
     try:
         app, monitor = build_app(engine, sessions, app_config, engine_config.data_dir)
-        print(f"crowdchat: chat on http://{args.host}:{args.port}/"
-              + (f" · admin on http://{args.host}:{args.port}/admin"
-                 if args.admin_password else ""), flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        url = f"http://{app_config.host}:{app_config.port}"
+        print(f"crowdchat: chat on {url}/"
+              + (f" · admin on {url}/admin" if app_config.admin_password else ""), flush=True)
+        uvicorn.run(app, host=app_config.host, port=app_config.port, log_level="warning")
         monitor.stop()
     except CrowdchatError as e:
         sys.exit(f"crowdchat: {e}")

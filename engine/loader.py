@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -26,6 +25,13 @@ from transformers import (  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.errors import ModelLoadError  # noqa: E402
+from engine.fingerprint import (  # noqa: E402
+    CACHE_FILE,
+    config_hash,
+    file_hash,
+    numerics_versions,
+    weights_hash,
+)
 from engine.threads import run_in_fresh_thread  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -51,12 +57,18 @@ class LoadedModel:
     num_kv_heads: int
     head_dim: int
     max_position: int
+    config_hash: str = ""  # canonical config.json (rope_theta, rope_scaling, ...)
+    numerics: str = ""  # versions of the libraries that compute K/V
 
     def fingerprint(self, block_size: int) -> dict[str, str | int]:
-        """What a KV snapshot must match to be reused by this model."""
+        """What a KV snapshot must match to be reused by this model: everything that
+        determines its K/V bytes (see `engine.fingerprint`) and the KV layout."""
         return {
             "model_id": self.model_id,
             "weights_hash": self.weights_hash,
+            "config_hash": self.config_hash,
+            "numerics": self.numerics,
+            "device": self.device.type,
             "quant": self.quant,
             "dtype": str(self.dtype).removeprefix("torch."),
             "block_size": block_size,
@@ -77,20 +89,6 @@ def embedded_gguf() -> Path:
     if not path.is_file():
         raise ModelLoadError(f"embedded model file missing: {path}")
     return path
-
-
-def weights_hash(paths: list[Path]) -> str:
-    """A cheap identity of weight files: names, sizes and the first and last MiB of each."""
-    h = hashlib.sha256()
-    for p in sorted(paths):
-        size = p.stat().st_size
-        h.update(f"{p.name}:{size}".encode())
-        with p.open("rb") as f:
-            h.update(f.read(1 << 20))
-            if size > 2 << 20:
-                f.seek(-(1 << 20), os.SEEK_END)
-                h.update(f.read())
-    return h.hexdigest()[:16]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -119,9 +117,9 @@ def convert_gguf(gguf: Path, data_dir: Path) -> Path:
     """Dequantize a GGUF file once into a safetensors directory that bitsandbytes can load.
 
     transformers refuses a GGUF file together with a bitsandbytes config, so the GGUF is read
-    (dequantized to float32) and saved as a plain checkpoint, keyed by the file's identity.
+    (dequantized to float32) and saved as a plain checkpoint, keyed by a hash of all its bytes.
     """
-    digest = weights_hash([gguf])
+    digest = file_hash(gguf, data_dir / CACHE_FILE)[:16]
     target = data_dir / "models" / f"{gguf.stem}-{digest}"
     if (target / "config.json").is_file():
         return target
@@ -149,21 +147,28 @@ def convert_gguf(gguf: Path, data_dir: Path) -> Path:
     return target
 
 
+def weight_files(directory: Path) -> list[Path]:
+    """The checkpoint's weight files: safetensors if any, else PyTorch .bin files."""
+    return sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin"))
+
+
 def resolve_checkpoint(config: EngineConfig) -> tuple[Path, str, list[Path]]:
-    """The directory to load, a human model id, and the files that identify its weights."""
+    """The directory to load, a human model id, and the weight files it loads."""
     if config.model is None:
         gguf = embedded_gguf()
-        return convert_gguf(gguf, config.data_dir), gguf.stem, [gguf]
+        target = convert_gguf(gguf, config.data_dir)
+        return target, gguf.stem, weight_files(target)
     path = Path(config.model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path not found: {path}")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model file is not a .gguf file: {path}")
-        return convert_gguf(path, config.data_dir), path.stem, [path]
+        target = convert_gguf(path, config.data_dir)
+        return target, path.stem, weight_files(target)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model directory has no config.json: {path}")
-    weights = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    weights = weight_files(path)
     if not weights:
         raise ModelLoadError(f"model directory has no weight files: {path}")
     return path, path.name, weights
@@ -194,7 +199,7 @@ def _load_model(config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, device)
     if config.threads is not None and device.type == "cpu":
         torch.set_num_threads(config.threads)
-    directory, model_id, weight_files = resolve_checkpoint(config)
+    directory, model_id, files = resolve_checkpoint(config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
@@ -213,7 +218,7 @@ def _load_model(config: EngineConfig) -> LoadedModel:
         model=model,
         tokenizer=tokenizer,
         model_id=model_id,
-        weights_hash=weights_hash(weight_files),
+        weights_hash=weights_hash(files, config.data_dir / CACHE_FILE),
         quant=config.quant,
         device=device,
         dtype=dtype,
@@ -222,10 +227,15 @@ def _load_model(config: EngineConfig) -> LoadedModel:
         num_kv_heads=getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,
         head_dim=head_dim,
         max_position=getattr(mc, "max_position_embeddings", 2048),
+        config_hash=config_hash(directory / "config.json"),
+        numerics=numerics_versions(),
     )
     log.info(
         "loaded %s (%s, %s) on %s: %.1f MB of weights",
-        model_id, config.quant, str(dtype).removeprefix("torch."), device,
+        model_id,
+        config.quant,
+        str(dtype).removeprefix("torch."),
+        device,
         loaded.model_bytes / 2**20,
     )
     return loaded

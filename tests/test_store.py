@@ -11,8 +11,9 @@ import pytest
 from sqlite_utils import Database
 from sqlite_utils.db import NotFoundError
 
-from sessions import store as store_module
-from sessions.store import MIGRATIONS, Store
+from sessions import migrations as migrations_module
+from sessions.migrations import MIGRATIONS
+from sessions.store import Store
 
 FP = {"model_id": "m", "block_size": 16, "num_layers": 2}
 
@@ -37,7 +38,7 @@ def test_migrations_run_once_and_are_recorded(
     def m999_probe(db: Database) -> None:
         calls.append(1)
 
-    monkeypatch.setattr(store_module, "MIGRATIONS", [*MIGRATIONS, m999_probe])
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", [*MIGRATIONS, m999_probe])
     Store(db_path).close()
     Store(db_path).close()
     assert calls == [1]
@@ -56,14 +57,14 @@ def test_failed_migration_rolls_back_and_raises(
         db.table("half").create({"id": int}, pk="id")
         raise ValueError("broken migration")
 
-    monkeypatch.setattr(store_module, "MIGRATIONS", [*MIGRATIONS, m999_broken])
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", [*MIGRATIONS, m999_broken])
     with pytest.raises(ValueError, match="broken migration"):
         Store(db_path)
     db = Database(db_path)
     assert "half" not in db.table_names()  # the migration's transaction was rolled back
     assert "m999_broken" not in {row["name"] for row in db.table("_migrations").rows}
     db.close()
-    monkeypatch.setattr(store_module, "MIGRATIONS", MIGRATIONS)
+    monkeypatch.setattr(migrations_module, "MIGRATIONS", MIGRATIONS)
     Store(db_path).close()  # the earlier migrations stuck; a fixed release starts fine
 
 
@@ -164,7 +165,7 @@ def test_message_is_committed_before_add_returns(store: Store, db_path: Path) ->
     ]
     other.close()
     # synchronous=FULL (2) in WAL mode: a commit is fsync'd before the write returns.
-    assert store._write(lambda db: db.execute("PRAGMA synchronous").fetchone()[0]) == 2
+    assert store.sql.write(lambda db: db.execute("PRAGMA synchronous").fetchone()[0]) == 2
 
 
 def test_failed_write_reraises_and_writer_survives(store: Store) -> None:
