@@ -16,6 +16,7 @@ from sessions.store import Store
 
 log = logging.getLogger(__name__)
 RESTORE_STRIPES = 64
+CRASHES_UNHEALTHY = 3  # writer crashes in a row without one clean pass
 
 
 def kv_bytes(kv: KVExport) -> int:
@@ -51,8 +52,10 @@ class KVOffloader:
         self.persists = 0
         self.evictions = 0
         self.failures = 0
+        self.writer_restarts = 0  # times the writer loop crashed and was restarted
+        self._crashes_in_a_row = 0
         self._jobs: queue.Queue[str | None] = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="crowdchat-kv-writer",
+        self._writer = threading.Thread(target=self._supervise_writer, name="crowdchat-kv-writer",
                                         daemon=True)
         self._writer.start()
 
@@ -123,6 +126,10 @@ class KVOffloader:
         with self.lock:
             return sum(kv_bytes(kv) for kv in self.host.values())
 
+    def healthy(self) -> bool:
+        """Whether the writer thread runs and is not stuck crashing (for the admin page)."""
+        return self._writer.is_alive() and self._crashes_in_a_row < CRASHES_UNHEALTHY
+
     def discard(self, sid: str) -> None:
         """Forget every copy of the session's KV."""
         self.engine.drop_kv(sid)
@@ -147,20 +154,40 @@ class KVOffloader:
             if self._write(sid, kv):
                 self.on_state(sid, "persisted")
 
+    def _supervise_writer(self) -> None:
+        """Restart the writer loop whenever it crashes: if it stayed dead, evicted KV would
+        pile up in host RAM and never become durable."""
+        while True:
+            try:
+                self._write_loop()
+                return
+            except Exception:  # noqa: BLE001 - logged and counted; the loop starts over
+                self.writer_restarts += 1
+                self._crashes_in_a_row += 1
+                log.exception("KV writer crashed (restart %d)", self.writer_restarts)
+                time.sleep(min(0.1 * 2 ** self._crashes_in_a_row, 5.0))  # no hot crash loop
+
     def _write_loop(self) -> None:
         """Keep host copies within the host budget (0 on CPU): oldest go to disk first."""
+        self._drain_host()  # after a restart: what the crashed pass left behind
         while (sid := self._jobs.get()) is not None:
             self.on_state(sid, "persisted")
-            while self.host_bytes() > self.host_budget:
-                with self.lock:
-                    victim, kv = next(iter(self.host.items()))
-                ok = self._write(victim, kv)
-                with self.lock:
-                    mine = self.host.get(victim) is kv  # not restored meanwhile
-                    if mine:
-                        del self.host[victim]
-                if mine and not ok:
-                    self.on_state(victim, "cold")  # its KV is gone; the next turn recomputes
+            self._drain_host()
+
+    def _drain_host(self) -> None:
+        while True:
+            with self.lock:  # one look at `host`: a restore may pop entries at any time
+                if not self.host or sum(map(kv_bytes, self.host.values())) <= self.host_budget:
+                    break
+                victim, kv = next(iter(self.host.items()))
+            ok = self._write(victim, kv)
+            with self.lock:
+                mine = self.host.get(victim) is kv  # not restored meanwhile
+                if mine:
+                    del self.host[victim]
+            if mine and not ok:
+                self.on_state(victim, "cold")  # its KV is gone; the next turn recomputes
+        self._crashes_in_a_row = 0
 
     def _write(self, sid: str, kv: KVExport) -> bool:
         try:
@@ -173,7 +200,10 @@ class KVOffloader:
             log.error("snapshot of session %s failed: %s", sid, e)
             return False
         self.persists += 1
-        self._enforce_disk_budget(keep=sid)
+        try:  # the file is durable either way; a failed cleanup must not undo that
+            self._enforce_disk_budget(keep=sid)
+        except Exception:  # noqa: BLE001 - retried after the next write
+            log.exception("enforcing the snapshot disk budget failed")
         return True
 
     def _enforce_disk_budget(self, keep: str) -> None:
