@@ -11,6 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from engine import Engine, KVExport
+from sessions.persist_retry import PersistRetry, PersistStatus, RetryPolicy
 from sessions.snapshots import SnapshotFiles, token_hash
 from sessions.store import Store
 
@@ -34,7 +35,8 @@ class KVOffloader:
 
     def __init__(self, engine: Engine, store: Store, files: SnapshotFiles,
                  host_budget_bytes: int, disk_budget_bytes: int,
-                 on_state: Callable[[str, str], None]) -> None:
+                 on_state: Callable[[str, str], None],
+                 retry: RetryPolicy = RetryPolicy()) -> None:
         self.engine = engine
         self.store = store
         self.files = files
@@ -52,6 +54,7 @@ class KVOffloader:
         self.persists = 0
         self.evictions = 0
         self.failures = 0
+        self.retry = PersistRetry(retry)  # sessions whose last write failed wait before the next
         self.writer_restarts = 0  # times the writer loop crashed and was restarted
         self._crashes_in_a_row = 0
         self._jobs: queue.Queue[str | None] = queue.Queue()
@@ -60,8 +63,12 @@ class KVOffloader:
         self._writer.start()
 
     # -- out of the pool ----------------------------------------------------------------
-    def persist(self, sid: str) -> bool:
-        """Write a resident session's KV to disk, then free its blocks (False: stays put)."""
+    def persist(self, sid: str, force: bool = False) -> bool:
+        """Write a resident session's KV to disk, then free its blocks (False: stays put).
+        A session whose last write failed is skipped (not even exported) until its retry time,
+        unless `force` (shutdown, an admin's explicit request)."""
+        if not force and self.retry.waiting(sid):
+            return False
         kv = self.engine.export_kv(sid)
         if kv is None:
             return False
@@ -126,6 +133,14 @@ class KVOffloader:
         with self.lock:
             return sum(kv_bytes(kv) for kv in self.host.values())
 
+    def persist_status(self, sid: str) -> PersistStatus | None:
+        """Why the session's KV is not on disk (None: its last write, if any, succeeded)."""
+        return self.retry.status(sid)
+
+    def persist_failing(self) -> dict[str, PersistStatus]:
+        """Every session whose last snapshot write failed (for the admin page)."""
+        return self.retry.failing()
+
     def healthy(self) -> bool:
         """Whether the writer thread runs and is not stuck crashing (for the admin page)."""
         return self._writer.is_alive() and self._crashes_in_a_row < CRASHES_UNHEALTHY
@@ -136,6 +151,7 @@ class KVOffloader:
         with self.lock:
             self.host.pop(sid, None)
         self.drop_snapshot(sid)
+        self.retry.forget(sid)
 
     def drop_snapshot(self, sid: str) -> None:
         self.files.delete(sid)
@@ -144,7 +160,7 @@ class KVOffloader:
     def flush(self) -> None:
         """Shutdown: write every resident and host-held KV to disk."""
         for sid in list(self.engine.resident_kv()):
-            self.persist(sid)
+            self.persist(sid, force=True)  # last chance: backoff no longer saves anything
         self._jobs.put(None)
         self._writer.join()
         with self.lock:
@@ -197,9 +213,12 @@ class KVOffloader:
         except Exception as e:  # noqa: BLE001 - disk full, unwritable dir: keep serving
             self.failures += 1
             self.last_error = f"{time.strftime('%H:%M:%S')} persisting {sid[:8]} failed: {e}"
-            log.error("snapshot of session %s failed: %s", sid, e)
+            status = self.retry.failed(sid, f"{type(e).__name__}: {e}")
+            log.error("snapshot of session %s failed (%d in a row, next try in %.0f s): %s",
+                      sid, status.failures, status.retry_at - time.time(), e)
             return False
         self.persists += 1
+        self.retry.forget(sid)
         try:  # the file is durable either way; a failed cleanup must not undo that
             self._enforce_disk_budget(keep=sid)
         except Exception:  # noqa: BLE001 - retried after the next write

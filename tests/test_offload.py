@@ -15,6 +15,7 @@ import torch
 
 from engine import KVExport
 from sessions.offload import KVOffloader
+from sessions.persist_retry import PersistRetry, RetryPolicy
 from sessions.snapshots import SnapshotFiles
 from sessions.store import Store
 
@@ -149,3 +150,42 @@ def test_a_writer_crashing_every_time_reports_unhealthy(
     assert rig.off.writer_restarts >= 3
     monkeypatch.undo()  # fixed: the next restart drains and the writer is healthy again
     assert wait_for(lambda: rig.off.healthy() and rig.store.get_snapshot("a") is not None)
+
+
+def test_failed_persists_back_off_per_session_and_reset_on_success(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig.off.retry = PersistRetry(RetryPolicy(first_s=0.3, max_s=0.6))
+    real = rig.files.write
+    attempts = {"n": 0}
+
+    def disk_full(*args: object, **kwargs: object) -> tuple[Path, int]:
+        attempts["n"] += 1
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rig.files, "write", disk_full)
+    sid = rig.session("s")
+    for _ in range(50):  # a sweeper calling every few ms
+        assert rig.off.persist(sid) is False
+    assert attempts["n"] == 1 and rig.engine.exports == 1  # skipped, not even exported
+    status = rig.off.persist_status(sid)
+    assert status is not None and status.failures == 1 and "No space left" in status.last_error
+    assert 0 < status.retry_at - time.time() <= 0.3
+    assert rig.off.persist_failing() == {sid: status}
+    time.sleep(0.35)
+    assert rig.off.persist(sid) is False and attempts["n"] == 2
+    second = rig.off.persist_status(sid)
+    assert second is not None and second.failures == 2
+    assert 0.3 < second.retry_at - time.time() <= 0.6  # doubled
+    assert rig.off.persist(sid) is False and attempts["n"] == 2
+    assert sid in rig.engine.resident  # the KV stays in the pool meanwhile
+    monkeypatch.setattr(rig.files, "write", real)  # space freed
+    assert rig.off.persist(sid, force=True)  # an explicit request does not wait
+    assert rig.off.persist_status(sid) is None and rig.store.get_snapshot(sid) is not None
+    assert sid not in rig.engine.resident
+
+
+def test_retry_policy_doubles_up_to_its_cap() -> None:
+    policy = RetryPolicy()
+    assert [policy.delay(n) for n in (1, 2, 3, 7, 8, 1000)] == [5, 10, 20, 300, 300, 300]
+
