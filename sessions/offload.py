@@ -54,6 +54,8 @@ class KVOffloader:
         self.persists = 0
         self.evictions = 0
         self.failures = 0
+        self.restore_errors = 0  # restores that failed for a reason other than a bad file
+        self.last_restore_error: str | None = None
         self.retry = PersistRetry(retry)  # sessions whose last write failed wait before the next
         self.writer_restarts = 0  # times the writer loop crashed and was restarted
         self._crashes_in_a_row = 0
@@ -103,7 +105,15 @@ class KVOffloader:
         'cold' when nothing valid exists (the engine then recomputes the prefix)."""
         gate = self._restoring[zlib.crc32(sid.encode()) % RESTORE_STRIPES]
         with gate:  # a prefetch and the turn itself never load the same file twice
-            return self._restore(sid)
+            try:
+                return self._restore(sid)
+            except Exception as e:  # noqa: BLE001 - loud, but the user is still served
+                self.restore_errors += 1
+                when = time.strftime("%H:%M:%S")
+                self.last_restore_error = self.last_error = \
+                    f"{when} restoring {sid[:8]} failed: {type(e).__name__}: {e}"
+                log.exception("restoring session %s failed unexpectedly; it recomputes", sid)
+                return "cold"
 
     def _restore(self, sid: str) -> str:
         if sid in self.engine.resident_kv():

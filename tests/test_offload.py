@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine import KVExport
+from sessions import snapshots
 from sessions.offload import KVOffloader
 from sessions.persist_retry import PersistRetry, RetryPolicy
 from sessions.snapshots import SnapshotFiles
@@ -189,3 +190,36 @@ def test_retry_policy_doubles_up_to_its_cap() -> None:
     policy = RetryPolicy()
     assert [policy.delay(n) for n in (1, 2, 3, 7, 8, 1000)] == [5, 10, 20, 300, 300, 300]
 
+
+def test_an_unexpected_restore_error_is_logged_counted_and_the_session_recomputes(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    sid = rig.session("s")
+    assert rig.off.persist(sid) and sid not in rig.engine.resident
+
+    def old_safetensors(*args: object, **kwargs: object) -> None:
+        raise TypeError("safe_open() got an unexpected keyword argument 'backend'")
+
+    monkeypatch.setattr(snapshots.safetensors, "safe_open", old_safetensors)
+    with caplog.at_level(logging.WARNING):
+        assert rig.off.restore(sid) == "cold"  # still served: the engine recomputes
+    assert rig.off.restore_errors == 1
+    assert "unexpected keyword argument 'backend'" in rig.off.last_restore_error
+    assert rig.off.last_error == rig.off.last_restore_error  # on the admin page's warnings
+    error = next(r for r in caplog.records if r.levelno == logging.ERROR)
+    assert error.exc_info is not None and "restoring session s failed" in error.getMessage()
+    assert rig.files.path(sid).is_file()  # not the file's fault: it stays
+    monkeypatch.undo()
+    assert rig.off.restore(sid) == "disk"
+
+
+def test_a_damaged_snapshot_is_a_warning_not_a_restore_error(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    sid = rig.session("s")
+    assert rig.off.persist(sid)
+    rig.files.path(sid).write_bytes(b"\x00" * 40)
+    with caplog.at_level(logging.WARNING):
+        assert rig.off.restore(sid) == "cold"
+    assert rig.off.restore_errors == 0 and "ignored" in caplog.text
+    assert not rig.files.path(sid).exists() and rig.store.get_snapshot(sid) is None
