@@ -17,6 +17,7 @@ from sessions.store import Store
 
 log = logging.getLogger(__name__)
 RESTORE_STRIPES = 64
+TOMBSTONES = 4096  # deleted session ids remembered; ids are random, so never reused
 CRASHES_UNHEALTHY = 3  # writer crashes in a row without one clean pass
 
 
@@ -47,8 +48,11 @@ class KVOffloader:
         self.on_state = on_state  # (session id, new state): the manager records it
         self.host: OrderedDict[str, KVExport] = OrderedDict()  # LRU first
         self.lock = threading.Lock()  # guards `host`; never held while waiting on others
-        # one restore per session at a time; striped so the table never grows with sessions
-        self._restoring = [threading.Lock() for _ in range(RESTORE_STRIPES)]
+        # one persist, restore, write or discard per session at a time (so a discard waits for
+        # a write in flight, then deletes what it wrote); striped: the table never grows.
+        # Never taken on the engine thread: a holder may be waiting for that thread.
+        self._gates = [threading.Lock() for _ in range(RESTORE_STRIPES)]
+        self._deleted: OrderedDict[str, None] = OrderedDict()  # guarded by `lock`
         self.last_error: str | None = None
         self.restores = {"host": 0, "disk": 0}
         self.persists = 0
@@ -69,14 +73,16 @@ class KVOffloader:
         """Write a resident session's KV to disk, then free its blocks (False: stays put).
         A session whose last write failed is skipped (not even exported) until its retry time,
         unless `force` (shutdown, an admin's explicit request)."""
-        if not force and self.retry.waiting(sid):
-            return False
-        kv = self.engine.export_kv(sid)
-        if kv is None:
-            return False
-        if not self._write(sid, kv):
-            return False
-        self.engine.drop_kv(sid)
+        with self._gate(sid):
+            if self._gone(sid):  # a late turn's KV of a deleted conversation
+                self.engine.drop_kv(sid)
+                return False
+            if not force and self.retry.waiting(sid):
+                return False
+            kv = self.engine.export_kv(sid)
+            if kv is None or not self._write(sid, kv):
+                return False
+            self.engine.drop_kv(sid)
         self.on_state(sid, "persisted")
         return True
 
@@ -89,6 +95,9 @@ class KVOffloader:
                 continue
             kv = self.engine.export_kv(sid)
             if kv is None:
+                continue
+            if self._gone(sid):
+                self.engine.drop_kv(sid)
                 continue
             if self.pin:
                 kv = KVExport(kv.token_ids, kv.k.pin_memory(), kv.v.pin_memory())
@@ -103,8 +112,9 @@ class KVOffloader:
     def restore(self, sid: str) -> str:
         """Make the session's KV resident if it is anywhere: 'resident', 'host', 'disk', or
         'cold' when nothing valid exists (the engine then recomputes the prefix)."""
-        gate = self._restoring[zlib.crc32(sid.encode()) % RESTORE_STRIPES]
-        with gate:  # a prefetch and the turn itself never load the same file twice
+        with self._gate(sid):  # a prefetch and the turn itself never load the same file twice
+            if self._gone(sid):
+                return "cold"
             try:
                 return self._restore(sid)
             except Exception as e:  # noqa: BLE001 - loud, but the user is still served
@@ -155,13 +165,37 @@ class KVOffloader:
         """Whether the writer thread runs and is not stuck crashing (for the admin page)."""
         return self._writer.is_alive() and self._crashes_in_a_row < CRASHES_UNHEALTHY
 
-    def discard(self, sid: str) -> None:
-        """Forget every copy of the session's KV."""
-        self.engine.drop_kv(sid)
-        with self.lock:
-            self.host.pop(sid, None)
-        self.drop_snapshot(sid)
-        self.retry.forget(sid)
+    def discard(self, sid: str, deleted: bool = False) -> None:
+        """Forget every copy of the session's KV, also one a write in flight is making.
+        `deleted` (the conversation is being deleted) makes it final: a later persist, evict,
+        write or restore of `sid` does nothing."""
+        with self._gate(sid):  # waits for a persist, write or restore of sid in flight
+            if deleted:
+                with self.lock:
+                    self._deleted[sid] = None
+                    while len(self._deleted) > TOMBSTONES:
+                        self._deleted.popitem(last=False)
+            self.engine.drop_kv(sid)
+            with self.lock:
+                self.host.pop(sid, None)
+            self.drop_snapshot(sid)
+            self.retry.forget(sid)
+
+    def reconcile(self, known_session_ids: set[str]) -> int:
+        """Start-up: delete snapshot files and rows of no known session, files without a row
+        and rows without a file. Returns how many files and rows it deleted."""
+        rows = {r["session_id"] for r in self.store.snapshots()}
+        on_disk = set(self.files.session_ids())
+        doomed_rows = {sid for sid in rows if sid not in known_session_ids or sid not in on_disk}
+        doomed_files = {sid for sid in on_disk if sid not in known_session_ids or sid not in rows}
+        for sid in doomed_rows:
+            self.store.delete_snapshot(sid)
+        for sid in doomed_files:
+            self.files.delete(sid)
+        if doomed_rows or doomed_files:
+            log.info("reconcile: deleted %d orphan snapshot file(s) and %d row(s)",
+                     len(doomed_files), len(doomed_rows))
+        return len(doomed_rows) + len(doomed_files)
 
     def drop_snapshot(self, sid: str) -> None:
         self.files.delete(sid)
@@ -177,7 +211,9 @@ class KVOffloader:
             pending = list(self.host.items())
             self.host.clear()
         for sid, kv in pending:
-            if self._write(sid, kv):
+            with self._gate(sid):
+                ok = self._write(sid, kv)
+            if ok:
                 self.on_state(sid, "persisted")
 
     def _supervise_writer(self) -> None:
@@ -206,16 +242,31 @@ class KVOffloader:
                 if not self.host or sum(map(kv_bytes, self.host.values())) <= self.host_budget:
                     break
                 victim, kv = next(iter(self.host.items()))
-            ok = self._write(victim, kv)
-            with self.lock:
-                mine = self.host.get(victim) is kv  # not restored meanwhile
-                if mine:
-                    del self.host[victim]
+            with self._gate(victim):
+                with self.lock:  # restored or discarded before we got the gate: not ours
+                    mine = self.host.get(victim) is kv
+                ok = mine and self._write(victim, kv)
+                with self.lock:
+                    if mine and self.host.get(victim) is kv:
+                        del self.host[victim]
             if mine and not ok:
                 self.on_state(victim, "cold")  # its KV is gone; the next turn recomputes
         self._crashes_in_a_row = 0
 
+    def _gate(self, sid: str) -> threading.Lock:
+        return self._gates[zlib.crc32(sid.encode()) % RESTORE_STRIPES]
+
+    def _gone(self, sid: str) -> bool:
+        """Whether the conversation was deleted (its KV must not be written anywhere)."""
+        with self.lock:
+            if sid in self._deleted:
+                return True
+        return self.store.get_session(sid) is None
+
     def _write(self, sid: str, kv: KVExport) -> bool:
+        """Make `kv` the session's snapshot (the caller holds the session's gate)."""
+        if self._gone(sid):
+            return False
         try:
             path, size = self.files.write(sid, kv.token_ids, kv.k, kv.v, self.fingerprint)
             self.store.put_snapshot(sid, str(path), size, len(kv.token_ids),
@@ -226,6 +277,9 @@ class KVOffloader:
             status = self.retry.failed(sid, f"{type(e).__name__}: {e}")
             log.error("snapshot of session %s failed (%d in a row, next try in %.0f s): %s",
                       sid, status.failures, status.retry_at - time.time(), e)
+            return False
+        if self._gone(sid):  # its row was deleted while we wrote: undo
+            self.drop_snapshot(sid)
             return False
         self.persists += 1
         self.retry.forget(sid)

@@ -152,6 +152,11 @@ class SnapshotFiles:
             return False
         return True
 
+    def session_ids(self) -> list[str]:
+        """The sessions that have a snapshot file here."""
+        return sorted(p.name[: -len(SUFFIX)] for p in self.directory.glob("*" + SUFFIX)
+                      if _SESSION_ID.fullmatch(p.name[: -len(SUFFIX)]))
+
     def total_bytes(self) -> int:
         """Bytes held by snapshot files in the directory."""
         total = 0

@@ -223,3 +223,81 @@ def test_a_damaged_snapshot_is_a_warning_not_a_restore_error(
         assert rig.off.restore(sid) == "cold"
     assert rig.off.restore_errors == 0 and "ignored" in caplog.text
     assert not rig.files.path(sid).exists() and rig.store.get_snapshot(sid) is None
+
+
+def block_writes(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, ...]:
+    """Make the next snapshot write stop inside files.write until `go` is set."""
+    entered, go = threading.Event(), threading.Event()
+    real = rig.files.write
+
+    def slow_write(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        entered.set()
+        assert go.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rig.files, "write", slow_write)
+    return entered, go
+
+
+@pytest.mark.parametrize("writer", ["sweeper", "writer thread"])
+@pytest.mark.parametrize("deleted", [True, False])  # False: discard, then delete the row
+def test_a_write_racing_a_delete_leaves_nothing_behind(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, writer: str, deleted: bool
+) -> None:
+    sid = rig.session("s")
+    entered, go = block_writes(rig, monkeypatch)
+    if writer == "sweeper":
+        sweep = threading.Thread(target=rig.off.persist, args=(sid,))
+        sweep.start()
+    else:
+        rig.evict(sid)
+    assert entered.wait(10)  # the KV is being written right now
+
+    def delete() -> None:
+        if deleted:
+            rig.off.discard(sid, deleted=True)
+        else:  # what the session manager does today
+            rig.off.discard(sid)
+        rig.store.delete_session(sid)
+
+    deleting = threading.Thread(target=delete)
+    deleting.start()
+    deleting.join(0.2)  # waits for the write in flight (before the fix: done at once)
+    go.set()
+    deleting.join(10)
+    assert not deleting.is_alive()
+    if writer == "sweeper":
+        sweep.join(10)
+    assert wait_for(lambda: rig.off.host_bytes() == 0)
+    time.sleep(0.1)  # let a late writer finish what it would do
+    assert not rig.files.path(sid).exists() and rig.files.session_ids() == []
+    assert rig.store.get_snapshot(sid) is None and sid not in rig.engine.resident
+
+
+def test_after_a_final_discard_nothing_writes_or_restores_the_session(rig: Rig) -> None:
+    sid = rig.session("s")
+    rig.off.discard(sid, deleted=True)
+    rig.engine.resident[sid] = fake_kv()  # a late turn's KV arrives after the delete
+    assert rig.off.persist(sid, force=True) is False
+    assert sid not in rig.engine.resident  # dropped, not kept resident forever
+    rig.engine.resident[sid] = fake_kv()
+    rig.evict(sid)
+    assert sid not in rig.engine.resident and rig.off.host_bytes() == 0
+    assert rig.off.restore(sid) == "cold"
+    assert rig.files.session_ids() == [] and rig.store.snapshots() == []
+
+
+def test_reconcile_deletes_orphan_files_and_rows(rig: Rig) -> None:
+    for sid in ("kept", "deleted", "no_file"):
+        assert rig.off.persist(rig.session(sid))
+    kv = fake_kv()
+    rig.files.write("ghost", kv.token_ids, kv.k, kv.v, FP)  # a file no row knows
+    rig.files.delete("no_file")  # a row whose file is gone
+    rig.store.delete_session("deleted")  # its file outlived the conversation (row gone)
+    rig.store.put_snapshot("gone", "x", 1, 1, "h", FP)  # a row of no session
+    known = {r["id"] for r in rig.store.all_sessions()}
+    assert rig.off.reconcile(known) == 4  # 2 files (ghost, deleted), 2 rows (no_file, gone)
+    assert rig.files.session_ids() == ["kept"]
+    assert [r["session_id"] for r in rig.store.snapshots()] == ["kept"]
+    assert rig.off.restore("kept") == "disk"
+    assert rig.off.reconcile(known) == 0
