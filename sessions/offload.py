@@ -11,11 +11,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from engine import Engine, KVExport
+from sessions.persist_retry import PersistRetry, PersistStatus, RetryPolicy
 from sessions.snapshots import SnapshotFiles, token_hash
 from sessions.store import Store
 
 log = logging.getLogger(__name__)
 RESTORE_STRIPES = 64
+TOMBSTONES = 4096  # deleted session ids remembered; ids are random, so never reused
+CRASHES_UNHEALTHY = 3  # writer crashes in a row without one clean pass
 
 
 def kv_bytes(kv: KVExport) -> int:
@@ -33,7 +36,8 @@ class KVOffloader:
 
     def __init__(self, engine: Engine, store: Store, files: SnapshotFiles,
                  host_budget_bytes: int, disk_budget_bytes: int,
-                 on_state: Callable[[str, str], None]) -> None:
+                 on_state: Callable[[str, str], None],
+                 retry: RetryPolicy = RetryPolicy()) -> None:
         self.engine = engine
         self.store = store
         self.files = files
@@ -44,27 +48,41 @@ class KVOffloader:
         self.on_state = on_state  # (session id, new state): the manager records it
         self.host: OrderedDict[str, KVExport] = OrderedDict()  # LRU first
         self.lock = threading.Lock()  # guards `host`; never held while waiting on others
-        # one restore per session at a time; striped so the table never grows with sessions
-        self._restoring = [threading.Lock() for _ in range(RESTORE_STRIPES)]
+        # one persist, restore, write or discard per session at a time (so a discard waits for
+        # a write in flight, then deletes what it wrote); striped: the table never grows.
+        # Never taken on the engine thread: a holder may be waiting for that thread.
+        self._gates = [threading.Lock() for _ in range(RESTORE_STRIPES)]
+        self._deleted: OrderedDict[str, None] = OrderedDict()  # guarded by `lock`
         self.last_error: str | None = None
         self.restores = {"host": 0, "disk": 0}
         self.persists = 0
         self.evictions = 0
         self.failures = 0
+        self.restore_errors = 0  # restores that failed for a reason other than a bad file
+        self.last_restore_error: str | None = None
+        self.retry = PersistRetry(retry)  # sessions whose last write failed wait before the next
+        self.writer_restarts = 0  # times the writer loop crashed and was restarted
+        self._crashes_in_a_row = 0
         self._jobs: queue.Queue[str | None] = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="crowdchat-kv-writer",
+        self._writer = threading.Thread(target=self._supervise_writer, name="crowdchat-kv-writer",
                                         daemon=True)
         self._writer.start()
 
     # -- out of the pool ----------------------------------------------------------------
-    def persist(self, sid: str) -> bool:
-        """Write a resident session's KV to disk, then free its blocks (False: stays put)."""
-        kv = self.engine.export_kv(sid)
-        if kv is None:
-            return False
-        if not self._write(sid, kv):
-            return False
-        self.engine.drop_kv(sid)
+    def persist(self, sid: str, force: bool = False) -> bool:
+        """Write a resident session's KV to disk, then free its blocks (False: stays put).
+        A session whose last write failed is skipped (not even exported) until its retry time,
+        unless `force` (shutdown, an admin's explicit request)."""
+        with self._gate(sid):
+            if self._gone(sid):  # a late turn's KV of a deleted conversation
+                self.engine.drop_kv(sid)
+                return False
+            if not force and self.retry.waiting(sid):
+                return False
+            kv = self.engine.export_kv(sid)
+            if kv is None or not self._write(sid, kv):
+                return False
+            self.engine.drop_kv(sid)
         self.on_state(sid, "persisted")
         return True
 
@@ -77,6 +95,9 @@ class KVOffloader:
                 continue
             kv = self.engine.export_kv(sid)
             if kv is None:
+                continue
+            if self._gone(sid):
+                self.engine.drop_kv(sid)
                 continue
             if self.pin:
                 kv = KVExport(kv.token_ids, kv.k.pin_memory(), kv.v.pin_memory())
@@ -91,9 +112,18 @@ class KVOffloader:
     def restore(self, sid: str) -> str:
         """Make the session's KV resident if it is anywhere: 'resident', 'host', 'disk', or
         'cold' when nothing valid exists (the engine then recomputes the prefix)."""
-        gate = self._restoring[zlib.crc32(sid.encode()) % RESTORE_STRIPES]
-        with gate:  # a prefetch and the turn itself never load the same file twice
-            return self._restore(sid)
+        with self._gate(sid):  # a prefetch and the turn itself never load the same file twice
+            if self._gone(sid):
+                return "cold"
+            try:
+                return self._restore(sid)
+            except Exception as e:  # noqa: BLE001 - loud, but the user is still served
+                self.restore_errors += 1
+                when = time.strftime("%H:%M:%S")
+                self.last_restore_error = self.last_error = \
+                    f"{when} restoring {sid[:8]} failed: {type(e).__name__}: {e}"
+                log.exception("restoring session %s failed unexpectedly; it recomputes", sid)
+                return "cold"
 
     def _restore(self, sid: str) -> str:
         if sid in self.engine.resident_kv():
@@ -123,12 +153,49 @@ class KVOffloader:
         with self.lock:
             return sum(kv_bytes(kv) for kv in self.host.values())
 
-    def discard(self, sid: str) -> None:
-        """Forget every copy of the session's KV."""
-        self.engine.drop_kv(sid)
-        with self.lock:
-            self.host.pop(sid, None)
-        self.drop_snapshot(sid)
+    def persist_status(self, sid: str) -> PersistStatus | None:
+        """Why the session's KV is not on disk (None: its last write, if any, succeeded)."""
+        return self.retry.status(sid)
+
+    def persist_failing(self) -> dict[str, PersistStatus]:
+        """Every session whose last snapshot write failed (for the admin page)."""
+        return self.retry.failing()
+
+    def healthy(self) -> bool:
+        """Whether the writer thread runs and is not stuck crashing (for the admin page)."""
+        return self._writer.is_alive() and self._crashes_in_a_row < CRASHES_UNHEALTHY
+
+    def discard(self, sid: str, deleted: bool = False) -> None:
+        """Forget every copy of the session's KV, also one a write in flight is making.
+        `deleted` (the conversation is being deleted) makes it final: a later persist, evict,
+        write or restore of `sid` does nothing."""
+        with self._gate(sid):  # waits for a persist, write or restore of sid in flight
+            if deleted:
+                with self.lock:
+                    self._deleted[sid] = None
+                    while len(self._deleted) > TOMBSTONES:
+                        self._deleted.popitem(last=False)
+            self.engine.drop_kv(sid)
+            with self.lock:
+                self.host.pop(sid, None)
+            self.drop_snapshot(sid)
+            self.retry.forget(sid)
+
+    def reconcile(self, known_session_ids: set[str]) -> int:
+        """Start-up: delete snapshot files and rows of no known session, files without a row
+        and rows without a file. Returns how many files and rows it deleted."""
+        rows = {r["session_id"] for r in self.store.snapshots()}
+        on_disk = set(self.files.session_ids())
+        doomed_rows = {sid for sid in rows if sid not in known_session_ids or sid not in on_disk}
+        doomed_files = {sid for sid in on_disk if sid not in known_session_ids or sid not in rows}
+        for sid in doomed_rows:
+            self.store.delete_snapshot(sid)
+        for sid in doomed_files:
+            self.files.delete(sid)
+        if doomed_rows or doomed_files:
+            log.info("reconcile: deleted %d orphan snapshot file(s) and %d row(s)",
+                     len(doomed_files), len(doomed_rows))
+        return len(doomed_rows) + len(doomed_files)
 
     def drop_snapshot(self, sid: str) -> None:
         self.files.delete(sid)
@@ -137,32 +204,69 @@ class KVOffloader:
     def flush(self) -> None:
         """Shutdown: write every resident and host-held KV to disk."""
         for sid in list(self.engine.resident_kv()):
-            self.persist(sid)
+            self.persist(sid, force=True)  # last chance: backoff no longer saves anything
         self._jobs.put(None)
         self._writer.join()
         with self.lock:
             pending = list(self.host.items())
             self.host.clear()
         for sid, kv in pending:
-            if self._write(sid, kv):
+            with self._gate(sid):
+                ok = self._write(sid, kv)
+            if ok:
                 self.on_state(sid, "persisted")
+
+    def _supervise_writer(self) -> None:
+        """Restart the writer loop whenever it crashes: if it stayed dead, evicted KV would
+        pile up in host RAM and never become durable."""
+        while True:
+            try:
+                self._write_loop()
+                return
+            except Exception:  # noqa: BLE001 - logged and counted; the loop starts over
+                self.writer_restarts += 1
+                self._crashes_in_a_row += 1
+                log.exception("KV writer crashed (restart %d)", self.writer_restarts)
+                time.sleep(min(0.1 * 2 ** self._crashes_in_a_row, 5.0))  # no hot crash loop
 
     def _write_loop(self) -> None:
         """Keep host copies within the host budget (0 on CPU): oldest go to disk first."""
+        self._drain_host()  # after a restart: what the crashed pass left behind
         while (sid := self._jobs.get()) is not None:
             self.on_state(sid, "persisted")
-            while self.host_bytes() > self.host_budget:
+            self._drain_host()
+
+    def _drain_host(self) -> None:
+        while True:
+            with self.lock:  # one look at `host`: a restore may pop entries at any time
+                if not self.host or sum(map(kv_bytes, self.host.values())) <= self.host_budget:
+                    break
+                victim, kv = next(iter(self.host.items()))
+            with self._gate(victim):
+                with self.lock:  # restored or discarded before we got the gate: not ours
+                    mine = self.host.get(victim) is kv
+                ok = mine and self._write(victim, kv)
                 with self.lock:
-                    victim, kv = next(iter(self.host.items()))
-                ok = self._write(victim, kv)
-                with self.lock:
-                    mine = self.host.get(victim) is kv  # not restored meanwhile
-                    if mine:
+                    if mine and self.host.get(victim) is kv:
                         del self.host[victim]
-                if mine and not ok:
-                    self.on_state(victim, "cold")  # its KV is gone; the next turn recomputes
+            if mine and not ok:
+                self.on_state(victim, "cold")  # its KV is gone; the next turn recomputes
+        self._crashes_in_a_row = 0
+
+    def _gate(self, sid: str) -> threading.Lock:
+        return self._gates[zlib.crc32(sid.encode()) % RESTORE_STRIPES]
+
+    def _gone(self, sid: str) -> bool:
+        """Whether the conversation was deleted (its KV must not be written anywhere)."""
+        with self.lock:
+            if sid in self._deleted:
+                return True
+        return self.store.get_session(sid) is None
 
     def _write(self, sid: str, kv: KVExport) -> bool:
+        """Make `kv` the session's snapshot (the caller holds the session's gate)."""
+        if self._gone(sid):
+            return False
         try:
             path, size = self.files.write(sid, kv.token_ids, kv.k, kv.v, self.fingerprint)
             self.store.put_snapshot(sid, str(path), size, len(kv.token_ids),
@@ -170,10 +274,19 @@ class KVOffloader:
         except Exception as e:  # noqa: BLE001 - disk full, unwritable dir: keep serving
             self.failures += 1
             self.last_error = f"{time.strftime('%H:%M:%S')} persisting {sid[:8]} failed: {e}"
-            log.error("snapshot of session %s failed: %s", sid, e)
+            status = self.retry.failed(sid, f"{type(e).__name__}: {e}")
+            log.error("snapshot of session %s failed (%d in a row, next try in %.0f s): %s",
+                      sid, status.failures, status.retry_at - time.time(), e)
+            return False
+        if self._gone(sid):  # its row was deleted while we wrote: undo
+            self.drop_snapshot(sid)
             return False
         self.persists += 1
-        self._enforce_disk_budget(keep=sid)
+        self.retry.forget(sid)
+        try:  # the file is durable either way; a failed cleanup must not undo that
+            self._enforce_disk_budget(keep=sid)
+        except Exception:  # noqa: BLE001 - retried after the next write
+            log.exception("enforcing the snapshot disk budget failed")
         return True
 
     def _enforce_disk_budget(self, keep: str) -> None:

@@ -24,6 +24,9 @@ FORMAT = "crowdchat-kv-2"
 SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 _SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# What a damaged file makes the parser raise. Anything else (a TypeError from a changed
+# safetensors API, say) is a bug here, not a bad file: it propagates so the caller is loud.
+DAMAGED_FILE_ERRORS = (safetensors.SafetensorError, OSError, ValueError, KeyError)
 
 
 def check_session_id(session_id: str) -> str:
@@ -62,7 +65,8 @@ def _fsync_dir(directory: Path) -> None:
 
 class SnapshotFiles:
     """The directory of KV snapshot files. `budget_bytes` (None: unlimited) is enforced by the
-    caller against `total_bytes()`. Reads never raise for a bad file: they log and return None.
+    caller against `total_bytes()`. Reads never raise for a bad file: they log and return None;
+    an unexpected error (not a bad file) is raised.
     """
 
     def __init__(self, directory: Path, budget_bytes: int | None = None) -> None:
@@ -118,7 +122,8 @@ class SnapshotFiles:
         expected_fingerprint: dict,
         expected_token_hash: str | None = None,
     ) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
-        """The snapshot's (token_ids, K, V), or None if it is missing, damaged or stale."""
+        """The snapshot's (token_ids, K, V), or None if it is missing, damaged or stale.
+        Raises what a bad file cannot explain (a library or programming error)."""
         path = self.path(session_id)
         if not path.is_file():
             log.warning("snapshot %s: missing (%s)", session_id, path)
@@ -132,7 +137,7 @@ class SnapshotFiles:
                     ids = f.get_tensor("token_ids")  # [T]
                     k, v = f.get_tensor("k"), f.get_tensor("v")  # [L, T, H_kv, D]
                     reason = _damaged(metadata, ids, k, v, expected_fingerprint)
-        except Exception as exc:  # noqa: BLE001 - any parse or OS failure means unreadable
+        except DAMAGED_FILE_ERRORS as exc:
             reason = f"unreadable ({type(exc).__name__}: {exc})"
         if reason is not None:
             log.warning("snapshot %s: ignored, %s (%s)", session_id, reason, path)
@@ -146,6 +151,11 @@ class SnapshotFiles:
         except FileNotFoundError:
             return False
         return True
+
+    def session_ids(self) -> list[str]:
+        """The sessions that have a snapshot file here."""
+        return sorted(p.name[: -len(SUFFIX)] for p in self.directory.glob("*" + SUFFIX)
+                      if _SESSION_ID.fullmatch(p.name[: -len(SUFFIX)]))
 
     def total_bytes(self) -> int:
         """Bytes held by snapshot files in the directory."""

@@ -166,3 +166,11 @@ def test_longest_valid_id(files: SnapshotFiles) -> None:
 def test_token_hash_is_stable() -> None:
     assert token_hash([1, 2, 3]) == token_hash([1, 2, 3]) != token_hash([1, 2, 4])
     assert token_hash([]) != token_hash([0])
+
+
+def test_session_ids_lists_snapshot_files_only(files: SnapshotFiles) -> None:
+    for sid in ("b", "a"):
+        files.write(sid, IDS, *kv(torch.bfloat16), FP)
+    (files.directory / "c.abc.tmp").write_bytes(b"half")
+    (files.directory / "not an id.safetensors").write_bytes(b"x")
+    assert files.session_ids() == ["a", "b"]
