@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from engine import SamplingParams
-from engine.errors import RateLimited
 from engine.loader import LoadedModel
+from sessions.errors import RateLimited
 from sessions.limits import TokenRateLimiter
 from tests.conftest import close_sessions, make_sessions
 from tests.web import running_server

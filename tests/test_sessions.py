@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import InvalidRequest, SamplingParams
-from engine.errors import SessionBusy, SessionNotFound
 from engine.loader import LoadedModel
+from sessions.errors import SessionBusy, SessionNotFound
 from tests.conftest import close_sessions, make_sessions
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16)
