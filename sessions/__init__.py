@@ -1,7 +1,8 @@
 """Users' conversations: SQLite transcripts and KV caches that follow the session.
 
 Others use what `__all__` names: the manager and its config, the replies it returns, the
-admin facts and stats, the session states and the session errors."""
+admin facts and stats, the session states and the session errors; and `sessions.relay`, the
+one relay (typed events Delta / End / Failed) from a reply to the chat page or the API."""
 
 from __future__ import annotations
 
