@@ -11,11 +11,9 @@ from engine.errors import (
     EngineStopped,
     InvalidRequest,
     PromptTooLong,
-    RateLimited,
     ServerBusy,
-    SessionBusy,
-    SessionNotFound,
 )
+from sessions.errors import RateLimited, SessionBusy, SessionNotFound
 
 log = logging.getLogger(__name__)
 

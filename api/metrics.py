@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Iterator
 
 from fastapi import APIRouter
@@ -19,10 +18,9 @@ from prometheus_client.registry import Collector
 
 from engine import Engine
 from engine.metrics import Histogram
-from sessions import SessionManager
+from sessions import SessionManager, SessionState
 
 log = logging.getLogger(__name__)
-SESSION_STATES = ("active", "resident", "persisted", "cold")
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -74,26 +72,25 @@ class CrowdchatCollector(Collector):
         yield from self._sessions()
 
     def _sessions(self) -> Iterator[Metric]:
-        states = Counter(f.state for f in self.sessions.facts())
+        st = self.sessions.stats()
+        known = [str(s) for s in SessionState]
         by_state = GaugeMetricFamily("crowdchat_sessions", "Sessions by state", labels=["state"])
-        for state in (*SESSION_STATES, *sorted(set(states) - set(SESSION_STATES))):
-            by_state.add_metric([state], states.get(state, 0))
+        for state in (*known, *sorted(set(st.states) - set(known))):
+            by_state.add_metric([state], st.states.get(state, 0))
         yield by_state
-        offload = self.sessions.offload
         restores = CounterMetricFamily("crowdchat_session_restores",
                                        "Session KV restored into the pool, by source",
                                        labels=["source"])
-        for source, n in sorted(offload.restores.items()):
+        for source, n in sorted(st.restores.items()):
             restores.add_metric([source], n)
         yield restores
-        yield _counter("session_persists", "Session KV snapshots written to disk",
-                       offload.persists)
+        yield _counter("session_persists", "Session KV snapshots written to disk", st.persists)
         yield _counter("session_persist_failures", "Session KV snapshots that failed to write",
-                       offload.failures)
+                       st.persist_failures)
         yield _counter("session_evictions", "Idle sessions moved out of a full pool",
-                       offload.evictions)
+                       st.evictions)
         yield _counter("session_recomputes", "Turns that recomputed a lost KV prefix",
-                       self.sessions.recomputes)
+                       st.recomputes)
 
 
 def build_metrics_router(engine: Engine, sessions: SessionManager) -> APIRouter:
@@ -102,8 +99,8 @@ def build_metrics_router(engine: Engine, sessions: SessionManager) -> APIRouter:
     registry.register(CrowdchatCollector(engine, sessions))
     router = APIRouter()
 
-    # A plain `def`: FastAPI runs it in its thread pool, so the engine round trip that
-    # sessions.facts() makes never blocks the event loop.
+    # A plain `def`: FastAPI runs it in its thread pool, so the engine round trip of
+    # engine.stats() and the SQLite reads of sessions.stats() never block the event loop.
     @router.get("/metrics")
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

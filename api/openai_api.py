@@ -15,10 +15,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from api.chat_request import ChatRequest, parse_chat_request, parse_json_object, typed_field
 from api.errors import ApiError, error_body, error_response
-from api.streaming import Delta, DeltaStream, End, Event, Failed
-from engine import Engine, RequestHandle
-from engine.chat_format import ChatFormatter
-from sessions import ChatTurn, SessionManager
+from api.streaming import DeltaStream
+from engine import Engine
+from sessions import Reply, SessionManager
+from sessions.relay import Delta, End, Event, Failed
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.1  # how often a request that has sent nothing yet checks its client
@@ -34,21 +34,15 @@ def owner_of(request: Request) -> str:
     return "api:" + hashlib.sha256(token.encode()).hexdigest()[:16]
 
 
-def _handle(source: RequestHandle | ChatTurn) -> RequestHandle | None:
-    return source.handle if isinstance(source, ChatTurn) else source
-
-
-def _usage(source: RequestHandle | ChatTurn) -> dict:
-    handle = _handle(source)
-    prompt = handle.num_prompt_tokens if handle else 0
-    completion = handle.num_generated_tokens if handle else 0
+def _usage(reply: Reply) -> dict:
+    prompt, completion = reply.num_prompt_tokens, reply.num_generated_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
 
-def _finish_reason(source: RequestHandle | ChatTurn) -> str:
+def _finish_reason(reply: Reply) -> str:
     # OpenAI knows stop and length; a reply stopped by its owner (cancelled) ended on purpose
-    return "length" if str(source.finish_reason) == "length" else "stop"
+    return "length" if str(reply.finish_reason) == "length" else "stop"
 
 
 async def _next_or_gone(stream: DeltaStream, request: Request) -> Event | None:
@@ -65,17 +59,12 @@ async def _next_or_gone(stream: DeltaStream, request: Request) -> Event | None:
 def build_router(engine: Engine, sessions: SessionManager, model_name: str) -> APIRouter:
     """The /v1 routes over a running engine and session manager."""
     router = APIRouter()
-    formatter = ChatFormatter(engine.tokenizer)
     started = int(time.time())
 
-    def start(owner: str, sid: str | None, req: ChatRequest) -> RequestHandle | ChatTurn:
+    def start(owner: str, sid: str | None, req: ChatRequest) -> Reply:
         """Worker thread: submit a one-off conversation, or the new turn of a session."""
-        if sid is None:  # one-off: charged its prompt and max_tokens up front
-            params = sessions.limit(owner, req.params)
-            ids = formatter.encode(sessions.clean_messages(req.messages))
-            handle = engine.submit(ids, params)
-            sessions.limiter.record(owner, len(ids) + params.max_new_tokens)
-            return handle
+        if sid is None:
+            return sessions.complete(owner, req.messages, req.params)
         last = req.messages[-1]
         if last["role"] != "user":
             sessions.get_session(owner, sid)  # an unknown session is a 404 before a 400
@@ -110,7 +99,7 @@ def build_router(engine: Engine, sessions: SessionManager, model_name: str) -> A
                                              request.headers.get("x-session-id"), req)
         except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style body
             return error_response(e)
-        stream = DeltaStream(iter(source), source.cancel, "crowdchat-api-reply")
+        stream = DeltaStream(source, source.cancel, "crowdchat-api-reply")
         try:
             return await _respond(request, req, source, stream, model_name)
         except BaseException:  # the handler itself was cancelled (server shutdown)
@@ -120,7 +109,7 @@ def build_router(engine: Engine, sessions: SessionManager, model_name: str) -> A
     return router
 
 
-async def _respond(request: Request, req: ChatRequest, source: RequestHandle | ChatTurn,
+async def _respond(request: Request, req: ChatRequest, source: Reply,
                    stream: DeltaStream, model_name: str) -> Response:
     """The whole reply (non-streaming) or an SSE response, once the first event is known."""
     # Wait for the first token before answering, so that errors found on the way
@@ -133,7 +122,7 @@ async def _respond(request: Request, req: ChatRequest, source: RequestHandle | C
     meta = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()),
             "model": model_name}
     # where a session's KV came from this turn: resident, host, disk or cold (recomputed)
-    kv = {"X-Crowdchat-KV": source.restored_from or ""} if isinstance(source, ChatTurn) else {}
+    kv = {} if source.restored_from is None else {"X-Crowdchat-KV": source.restored_from}
     if req.stream:
         return StreamingResponse(
             _sse(stream, first, source, meta, req.include_usage),
@@ -159,7 +148,7 @@ def _data(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _sse(stream: DeltaStream, first: Event, source: RequestHandle | ChatTurn, meta: dict,
+async def _sse(stream: DeltaStream, first: Event, source: Reply, meta: dict,
                include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: role chunk, content chunks, finish chunk, usage chunk, [DONE].
 

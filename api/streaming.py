@@ -1,49 +1,30 @@
-"""A blocking stream of text deltas, run in its own thread and consumed from the event loop."""
+"""The asyncio end of the reply relay: events produced on a thread, awaited on the loop."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-
-
-@dataclass(frozen=True)
-class End:
-    """The reply ended normally (its finish reason lives on the handle or turn)."""
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: BaseException
-
-
-Event = Delta | End | Failed
+from sessions.relay import Event, relay
 
 
 class DeltaStream:
-    """Iterates `deltas` (which block on the engine) in a dedicated thread, one per request,
-    so no event-loop or executor thread ever waits on the engine; `cancel` stops it.
+    """Runs `reply` (which blocks on the engine) in a dedicated thread, one per request, so
+    no event-loop or executor thread ever waits on the engine; `cancel` stops it.
 
     A dedicated thread rather than `asyncio.to_thread` per item: the default executor has a
     handful of workers, and a crowd of slow streams would otherwise queue behind each other.
     """
 
-    def __init__(self, deltas: Iterator[str], cancel: Callable[[], None], name: str) -> None:
-        self._deltas = deltas
+    def __init__(self, reply: Iterable[str], cancel: Callable[[], None], name: str) -> None:
         self._cancel_fn = cancel
         self._cancelled = threading.Event()
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=relay,
+                                        args=(reply, self._put, self._cancelled.is_set),
+                                        name=name, daemon=True)
         self._thread.start()
 
     async def next(self) -> Event:
@@ -68,20 +49,3 @@ class DeltaStream:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
         except RuntimeError:  # the loop closed (server shutdown): nobody is listening
             self.cancel()
-
-    def _run(self) -> None:
-        try:
-            for text in self._deltas:
-                if self._cancelled.is_set():
-                    break
-                self._put(Delta(text))
-            self._put(End())
-        except Exception as e:  # noqa: BLE001 - handed to the request's coroutine
-            self._put(Failed(e))
-        finally:
-            close = getattr(self._deltas, "close", None)
-            if close is not None:
-                try:
-                    close()  # a generator's cleanup (a session turn commits its reply) runs now
-                except Exception:  # noqa: BLE001 - the reply is already on its way
-                    log.exception("closing a reply stream failed")

@@ -26,14 +26,3 @@ class ServerBusy(CrowdchatError):
 class EngineStopped(CrowdchatError):
     """The engine is shutting down or has stopped (HTTP 503)."""
 
-
-class SessionNotFound(CrowdchatError):
-    """No such session for this user (also when it belongs to someone else) (HTTP 404)."""
-
-
-class SessionBusy(CrowdchatError):
-    """The session is still answering its previous message (HTTP 409)."""
-
-
-class RateLimited(CrowdchatError):
-    """The user exceeded a per-session limit; retry later (HTTP 429)."""

@@ -6,7 +6,7 @@ import threading
 import time
 from collections import defaultdict, deque
 
-from engine.errors import RateLimited
+from sessions.errors import RateLimited
 
 WINDOW_S = 60.0
 

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from engine import CrowdchatError, RequestHandle, SamplingParams
-
-if TYPE_CHECKING:
-    from sessions.manager import SessionManager
 
 log = logging.getLogger(__name__)
 
@@ -18,13 +14,17 @@ class ChatTurn:
     """Iterate for text deltas. `status` tells the UI what is happening: 'restoring' (KV
     coming back from disk), 'queued' (see `queue_position`), 'generating', then 'done'.
 
-    The reply is committed to SQLite when the turn ends, also when it is stopped (with what
-    was produced) or fails. Errors surface as CrowdchatError from the iteration.
+    Everything it needs comes in at construction: `restore()` brings the session's KV back
+    and says from where, `submit(prompt, params)` starts the engine request, and
+    `on_end(turn)` commits the reply (also a stopped or failed one) and frees the session.
+    Errors surface as CrowdchatError from the iteration.
     """
 
-    def __init__(self, manager: SessionManager, sid: str, prompt: list[int],
-                 params: SamplingParams, release: Callable[[], None]) -> None:
-        self.manager = manager
+    def __init__(self, sid: str, prompt: list[int], params: SamplingParams, *,
+                 restore: Callable[[], str],
+                 submit: Callable[[list[int], SamplingParams], RequestHandle],
+                 queue_position: Callable[[RequestHandle], int | None],
+                 on_end: Callable[[ChatTurn], None]) -> None:
         self.session_id = sid
         self.prompt = prompt
         self.params = params
@@ -34,18 +34,26 @@ class ChatTurn:
         self.text = ""
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self._restore = restore
+        self._submit = submit
+        self._queue_position = queue_position
+        self._on_end = on_end
         self._cancelled = False
-        self._release = release
         self._started = False
-        self.owner = ""  # whose turn: the rate limiter charges them
-        self.prior_tokens = 0  # the conversation's tokens before this turn
-        self.had_kv = False  # the session had KV before this turn (cold means recompute)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.handle.num_prompt_tokens if self.handle else 0
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.handle.num_generated_tokens if self.handle else 0
 
     def queue_position(self) -> int | None:
         """Requests ahead of this one while it waits; None otherwise."""
         if self.handle is None:
             return None
-        return self.manager.engine.queue_position(self.handle)
+        return self._queue_position(self.handle)
 
     def cancel(self) -> None:
         """Stop generating; what was produced so far is kept."""
@@ -57,15 +65,12 @@ class ChatTurn:
         assert not self._started, "a turn streams once"
         self._started = True
         try:
-            self.restored_from = self.manager.offload.restore(self.session_id)
-            if self.restored_from == "cold" and self.had_kv:
-                self.manager.recomputes += 1
+            self.restored_from = self._restore()
             if self._cancelled:
                 self.finish_reason = "cancelled"
                 return
             self.status = "queued"
-            self.handle = self.manager.engine.submit(self.prompt, self.params,
-                                                     owner=self.session_id, retain=True)
+            self.handle = self._submit(self.prompt, self.params)
             for delta in self.handle:
                 self.status = "generating"
                 self.text += delta
@@ -81,17 +86,9 @@ class ChatTurn:
                 self.finish_reason = self.finish_reason or "cancelled"
             self.status = "done"
             try:
-                self.manager._end_turn(self)
+                self._on_end(self)
             except RuntimeError as e:  # the store closed under an abandoned stream
                 log.warning("reply of session %s not saved: %s", self.session_id, e)
-            finally:
-                self._release()
-
-    def close(self) -> None:
-        """Give the session back without streaming (a turn the caller decided not to run)."""
-        if not self._started:
-            self._started = True
-            self._release()
 
     def result(self) -> str:
         """Consume the whole turn and return the reply text."""

@@ -7,9 +7,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine import SamplingParams
-from engine.errors import RateLimited
+from engine import InvalidRequest, SamplingParams
 from engine.loader import LoadedModel
+from sessions import Reply
+from sessions.errors import RateLimited
 from sessions.limits import TokenRateLimiter
 from tests.conftest import close_sessions, make_sessions
 from tests.web import running_server
@@ -64,3 +65,25 @@ def test_the_api_answers_429_when_a_key_is_over_its_budget(nf4_model: LoadedMode
         other = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60,
                            headers={"Authorization": "Bearer modest"})
         assert other.status_code == 200
+
+
+def test_a_one_off_reply_goes_through_the_session_layer_and_its_limits(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    engine, sm = make_sessions(nf4_model, tmp_path, tokens_per_minute=10, max_tokens_per_turn=6)
+    try:
+        msgs = [{"role": "user", "content": "Count to twenty.\x00"}]
+        reply = sm.complete("api:k", msgs, SamplingParams(max_new_tokens=500, ignore_eos=True))
+        assert isinstance(reply, Reply) and reply.restored_from is None
+        assert "".join(reply) and reply.num_generated_tokens == 6  # capped per turn
+        # charged up front: its prompt and its (capped) reply budget
+        assert sm.limiter.used("api:k") == reply.num_prompt_tokens + 6
+        assert reply.num_prompt_tokens == len(sm.formatter.encode(
+            [{"role": "user", "content": "Count to twenty."}]))  # cleaned before encoding
+        with pytest.raises(RateLimited, match="limit is 10 per user"):
+            sm.complete("api:k", msgs, SamplingParams(max_new_tokens=4))
+        with pytest.raises(InvalidRequest, match="empty"):
+            sm.complete("api:other", [{"role": "user", "content": " "}], SamplingParams())
+        assert sm.list_sessions("api:k") == []  # nothing kept
+    finally:
+        close_sessions(engine, sm)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 
 from engine import InvalidRequest, SamplingParams
-from engine.errors import SessionBusy, SessionNotFound
 from engine.loader import LoadedModel
+from sessions import SessionState
+from sessions.errors import SessionBusy, SessionNotFound
 from tests.conftest import close_sessions, make_sessions
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16)
@@ -241,5 +243,25 @@ def test_stop_keeps_the_partial_reply(nf4_model: LoadedModel, tmp_path: Path) ->
         assert msgs[-1]["role"] == "assistant" and msgs[-1]["content"] == turn.text
         assert msgs[-1]["finish_reason"] == "cancelled" and len(turn.text) >= 20
         assert sm.chat("u", sid, "Go on.", GREEDY).result()  # the session is free again
+    finally:
+        close_sessions(engine, sm)
+
+
+def test_stats_count_states_and_the_recompute_of_lost_kv(nf4_model: LoadedModel,
+                                                         tmp_path: Path) -> None:
+    engine, sm = make_sessions(nf4_model, tmp_path)
+    try:
+        sid = sm.create_session("u")["id"]
+        sm.chat("u", sid, Q1, GREEDY).result()
+        before = sm.stats()
+        assert before.states == {"resident": 1} and before.recomputes == 0
+        sm.drop_kv(sid)
+        assert sm.stats().states == {SessionState.COLD: 1}
+        turn = sm.chat("u", sid, Q2, GREEDY)
+        assert turn.result() and turn.restored_from == "cold"
+        after = sm.stats()
+        assert after.recomputes == 1 and after.states == {"resident": 1}
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            after.recomputes = 0  # type: ignore[misc]
     finally:
         close_sessions(engine, sm)

@@ -36,8 +36,7 @@ def memory_bar(monitor: Monitor) -> str:
 
 def totals(monitor: Monitor, sessions: SessionManager, length: float) -> str:
     s = monitor.engine.stats()
-    off = sessions.offload
-    snaps = sessions.store.snapshots()
+    st = sessions.stats()
     lines = [
         f"**Batch** {s.running} running · **queue** {s.waiting} · **tokens/s** "
         f"{s.tokens_per_s:.1f} · **TTFT p50** {fmt(s.ttft_p50_s)} · **ITL p50** "
@@ -45,11 +44,11 @@ def totals(monitor: Monitor, sessions: SessionManager, length: float) -> str:
         f"**KV pool** {s.blocks_used}/{s.blocks_total} blocks of {s.block_size} tokens "
         f"({s.kv_bytes / MB:,.0f} MB, {s.kv_bytes_per_token:,} bytes/token) · resident "
         f"sessions {s.resident_owners}",
-        f"**Snapshots on disk** {len(snaps)} · {sum(r['bytes'] for r in snaps) / MB:,.1f} MB "
-        f"of {off.disk_budget / MB:,.0f} MB budget · host tier {off.host_bytes() / MB:,.1f} MB",
-        f"**Restores** disk {off.restores['disk']} · host {off.restores['host']} · "
-        f"**recomputes** {sessions.recomputes} · **persists** {off.persists} "
-        f"(failed {off.failures}) · **preemptions** {s.preemptions} · **rejections** "
+        f"**Snapshots on disk** {st.snapshots} · {st.snapshot_bytes / MB:,.1f} MB "
+        f"of {st.disk_budget_bytes / MB:,.0f} MB budget · host tier {st.host_bytes / MB:,.1f} MB",
+        f"**Restores** disk {st.restores['disk']} · host {st.restores['host']} · "
+        f"**recomputes** {st.recomputes} · **persists** {st.persists} "
+        f"(failed {st.persist_failures}) · **preemptions** {s.preemptions} · **rejections** "
         f"{s.requests_rejected} · **finished** {s.requests_finished} · **failed** "
         f"{s.requests_failed}",
         f"**Capacity**: {monitor.fits(int(length))} conversations of {int(length)} tokens fit "

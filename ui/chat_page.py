@@ -4,16 +4,15 @@ streamed replies, Stop / Regenerate / Edit, and a status line that says what is 
 from __future__ import annotations
 
 import logging
-import queue
 import re
 import secrets
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import gradio as gr
 
 from engine import CrowdchatError, SamplingParams
 from sessions import ChatTurn, SessionManager
+from sessions.relay import Delta, End, Failed, RelayThread
 
 log = logging.getLogger(__name__)
 USER_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -154,27 +153,26 @@ class ChatPage:
         history.append({"role": "assistant", "content": ""})
         box = "" if clear_box else gr.update()
         choices = gr.update(choices=self.choices(owner), value=sid)
-        events: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
-        threading.Thread(target=_pump, args=(turn, events.put), daemon=True).start()
+        events = RelayThread(turn, "crowdchat-page-reply")
         try:
             yield history, self.status(turn), box, sid, choices, False
             while True:
-                try:
-                    kind, value = events.get(timeout=POLL_S)
-                except queue.Empty:
-                    yield history, self.status(turn), gr.update(), sid, gr.update(), False
-                    continue
-                if kind == "delta":
-                    history[-1]["content"] += value
-                    yield history, self.status(turn), gr.update(), sid, gr.update(), False
-                elif kind == "error":
-                    yield history, f"Error: {value}", gr.update(), sid, gr.update(), False
-                    return
-                else:
-                    note = "Stopped." if turn.finish_reason == "cancelled" else ""
-                    yield history, note, gr.update(), sid, gr.update(
-                        choices=self.choices(owner), value=sid), False
-                    return
+                # no event within POLL_S: the status line still moves (queue position)
+                match events.get(timeout=POLL_S):
+                    case Delta(text):
+                        history[-1]["content"] += text
+                        yield history, self.status(turn), gr.update(), sid, gr.update(), False
+                    case Failed(error):
+                        yield history, f"Error: {_message(error)}", gr.update(), sid, \
+                            gr.update(), False
+                        return
+                    case End():
+                        note = "Stopped." if turn.finish_reason == "cancelled" else ""
+                        yield history, note, gr.update(), sid, gr.update(
+                            choices=self.choices(owner), value=sid), False
+                        return
+                    case None:
+                        yield history, self.status(turn), gr.update(), sid, gr.update(), False
         finally:
             if turn.status != "done":
                 turn.cancel()  # the browser went away (tab closed): free the batch slot
@@ -190,13 +188,9 @@ class ChatPage:
         return "Replying…" if turn.status == "generating" else ""
 
 
-def _pump(turn: ChatTurn, put: Callable[[tuple[str, str]], None]) -> None:
-    try:
-        for delta in turn:
-            put(("delta", delta))
-        put(("done", ""))
-    except CrowdchatError as e:
-        put(("error", str(e)))
-    except Exception as e:  # noqa: BLE001 - no raw traceback reaches the page
-        log.exception("chat turn failed")
-        put(("error", f"something went wrong: {type(e).__name__}"))
+def _message(error: BaseException) -> str:
+    """What the page says about a failed reply: no raw traceback reaches it."""
+    if isinstance(error, CrowdchatError):
+        return str(error)
+    log.error("chat turn failed", exc_info=error)
+    return f"something went wrong: {type(error).__name__}"

@@ -84,8 +84,9 @@ class Monitor:
         if len(recent) >= 5 and min(r["queue"] for r in recent) > 0:
             out.append("Requests have been queueing for 30 s: the server is at capacity; "
                        "raise the KV budget or add capacity.")
-        if self.sessions.offload.last_error:
-            out.append(f"Snapshot error: {self.sessions.offload.last_error}")
+        error = self.sessions.stats().last_snapshot_error
+        if error:
+            out.append(f"Snapshot error: {error}")
         return out
 
     def fits(self, tokens: int) -> int:

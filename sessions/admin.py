@@ -1,0 +1,77 @@
+"""What the admin page, the monitor and /metrics may know about sessions: per-session facts
+and one frozen summary, so none of them reaches into the offloader, the store or the limiter."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Container
+from dataclasses import dataclass
+
+from engine import Engine
+from sessions.limits import TokenRateLimiter
+from sessions.residency import Residency
+from sessions.store import Store
+
+
+@dataclass(frozen=True)
+class SessionFacts:
+    """One row of the admin page's sessions table."""
+
+    id: str
+    owner: str
+    title: str
+    state: str
+    tokens: int
+    resident_blocks: int
+    resident_bytes: int
+    snapshot_bytes: int
+    idle_s: float
+
+
+@dataclass(frozen=True)
+class SessionStats:
+    """The session layer's counters and totals at one moment."""
+
+    states: dict[str, int]  # sessions by state (SessionState values)
+    snapshots: int  # snapshot files on disk
+    snapshot_bytes: int
+    disk_budget_bytes: int
+    host_bytes: int  # evicted KV held in host RAM, not yet on disk
+    restores: dict[str, int]  # source ('host', 'disk') -> restores into the pool
+    recomputes: int  # turns whose earlier KV was gone and had to be recomputed
+    persists: int
+    persist_failures: int
+    evictions: int  # idle sessions moved out of a full pool
+    rate_limited: int  # turns refused by the per-user token budget
+    last_snapshot_error: str | None
+
+
+def session_facts(engine: Engine, store: Store, active: Container[str]) -> list[SessionFacts]:
+    """Every session with its state and memory, most recently active first."""
+    resident = engine.resident_kv()
+    snaps = {r["session_id"]: r["bytes"] for r in store.snapshots()}
+    per_block = engine.kv_bytes_per_token * engine.config.block_size
+    now = time.time()
+    out = []
+    for row in store.all_sessions():
+        blocks = resident.get(row["id"], (0, 0, 0.0))[1]
+        out.append(SessionFacts(
+            id=row["id"], owner=row["owner"], title=row["title"], state=row["state"],
+            tokens=row["token_count"], resident_blocks=blocks,
+            resident_bytes=blocks * per_block, snapshot_bytes=snaps.get(row["id"], 0),
+            idle_s=0.0 if row["id"] in active else now - row["last_active"]))
+    return out
+
+
+def session_stats(store: Store, residency: Residency, limiter: TokenRateLimiter) -> SessionStats:
+    """The summary for the admin page, the monitor's warnings and /metrics."""
+    off = residency.offload
+    snaps = store.snapshots()
+    return SessionStats(
+        states=dict(Counter(row["state"] for row in store.all_sessions())),
+        snapshots=len(snaps), snapshot_bytes=sum(r["bytes"] for r in snaps),
+        disk_budget_bytes=off.disk_budget, host_bytes=off.host_bytes(),
+        restores=dict(off.restores), recomputes=residency.recomputes,
+        persists=off.persists, persist_failures=off.failures, evictions=off.evictions,
+        rate_limited=limiter.refused, last_snapshot_error=off.last_error)

@@ -1,0 +1,75 @@
+"""What every reply looks like to its reader (the chat page, the API): a session's ChatTurn
+and a one-off request alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol, runtime_checkable
+
+from engine import RequestHandle
+
+
+@runtime_checkable
+class Reply(Protocol):
+    """Iterate for text deltas (errors surface as CrowdchatError); `cancel()` from any thread;
+    read the outcome once the iteration ended."""
+
+    @property
+    def finish_reason(self) -> str | None: ...  # stop / length / cancelled / error
+
+    @property
+    def error(self) -> str | None: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_generated_tokens(self) -> int: ...
+
+    @property
+    def restored_from(self) -> str | None:
+        """Where a session's KV came from (resident / host / disk / cold); None for a
+        one-off request, which has no session."""
+
+    def queue_position(self) -> int | None:
+        """Requests ahead of this one while it waits; None otherwise."""
+
+    def cancel(self) -> None: ...
+
+    def __iter__(self) -> Iterator[str]: ...
+
+
+class OneOffReply:
+    """A one-off request's engine handle, seen as a Reply."""
+
+    restored_from: str | None = None
+
+    def __init__(self, handle: RequestHandle,
+                 queue_position: Callable[[RequestHandle], int | None]) -> None:
+        self.handle = handle
+        self._queue_position = queue_position
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.handle.finish_reason
+
+    @property
+    def error(self) -> str | None:
+        return self.handle.error
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.handle.num_prompt_tokens
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.handle.num_generated_tokens
+
+    def queue_position(self) -> int | None:
+        return self._queue_position(self.handle)
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.handle)

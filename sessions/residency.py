@@ -1,0 +1,112 @@
+"""Where sessions' KV lives between turns: the idle sweeper, recovery after a restart,
+prefetch when a user opens a conversation, and the admin's persist / drop."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from engine import Engine
+from sessions.config import SessionConfig
+from sessions.offload import KVOffloader
+from sessions.snapshots import SnapshotFiles
+from sessions.state import SessionState
+from sessions.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class Residency:
+    """Moves idle sessions' KV out of the pool and back, and records each session's state.
+
+    `is_busy(sid)`: the session has a turn running (its KV is the engine's to manage then,
+    and its state is the turn's to record).
+    """
+
+    def __init__(self, engine: Engine, config: SessionConfig, store: Store,
+                 files: SnapshotFiles, is_busy: Callable[[str], bool]) -> None:
+        self.engine = engine
+        self.config = config
+        self.store = store
+        self.is_busy = is_busy
+        self.offload = KVOffloader(engine, store, files,
+                                   int(config.kv_host_budget_mb * 2**20),
+                                   int(config.kv_disk_budget_mb * 2**20), self.set_state)
+        self.recomputes = 0  # turns whose earlier KV was gone and had to be recomputed
+        self._recover()
+        engine.set_memory_pressure_hook(
+            lambda short, protected: self.offload.evict(short, protected, self.is_busy))
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="crowdchat-sweeper",
+                                         daemon=True)
+        self._sweeper.start()
+
+    def restore(self, sid: str, had_kv: bool) -> str:
+        """Bring the session's KV back for its turn: 'resident', 'host', 'disk' or 'cold'.
+        A session that had KV and comes back cold is a recompute, counted here."""
+        source = self.offload.restore(sid)
+        if source == "cold" and had_kv:
+            self.recomputes += 1
+        return source
+
+    def prefetch(self, sid: str, state: str) -> None:
+        """The user opened this conversation: bring its KV back while they type."""
+        if state == SessionState.PERSISTED and not self.is_busy(sid):
+            threading.Thread(target=self._prefetch, args=(sid,), daemon=True).start()
+
+    def persist_now(self, sid: str) -> bool:
+        """Admin: write the session's KV to disk and free its blocks now."""
+        if self.is_busy(sid):
+            return False
+        return self.offload.persist(sid)
+
+    def drop_kv(self, sid: str) -> None:
+        """Admin: forget the session's KV everywhere (its next turn recomputes)."""
+        if not self.is_busy(sid):
+            self.offload.discard(sid)
+            self.set_state(sid, SessionState.COLD)
+
+    def set_state(self, sid: str, state: str) -> None:
+        """Record where the session's KV went (ignored while a turn runs or once deleted)."""
+        if self.is_busy(sid) or self.store.get_session(sid) is None:
+            return
+        try:
+            self.store.update_session(sid, state=state)
+        except Exception:  # noqa: BLE001 - deleted meanwhile
+            log.debug("session %s vanished before its state update", sid)
+
+    def stop_sweeper(self) -> None:
+        self._stop.set()
+        self._sweeper.join()
+
+    def flush(self) -> None:
+        """Shutdown: no more evictions; every session's KV goes to disk."""
+        self.engine.set_memory_pressure_hook(None)
+        self.offload.flush()
+
+    def _prefetch(self, sid: str) -> None:
+        try:
+            if self.offload.restore(sid) in ("host", "disk"):
+                self.set_state(sid, SessionState.RESIDENT)
+        except Exception:  # noqa: BLE001 - a failed prefetch only costs the turn a restore
+            log.exception("prefetch of session %s failed", sid)
+
+    def _recover(self) -> None:
+        """After a restart no KV is in the pool: sessions are persisted or cold."""
+        snaps = {r["session_id"] for r in self.store.snapshots()}
+        for row in self.store.all_sessions():
+            if row["state"] in (SessionState.ACTIVE, SessionState.RESIDENT) or (
+                    row["state"] == SessionState.PERSISTED and row["id"] not in snaps):
+                self.store.update_session(
+                    row["id"], state=SessionState.PERSISTED if row["id"] in snaps
+                    else SessionState.COLD)
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(self.config.sweep_interval_s):
+            try:
+                for sid, (_t, _b, idle) in self.engine.resident_kv().items():
+                    if idle >= self.config.idle_seconds and not self.is_busy(sid):
+                        self.offload.persist(sid)
+            except Exception:  # noqa: BLE001 - the sweeper must outlive any one failure
+                log.exception("idle sweep failed")
