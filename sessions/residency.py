@@ -93,9 +93,13 @@ class Residency:
             log.exception("prefetch of session %s failed", sid)
 
     def _recover(self) -> None:
-        """After a restart no KV is in the pool: sessions are persisted or cold."""
+        """After a restart no KV is in the pool: sessions are persisted or cold. Snapshot
+        files and rows that belong to no session (a delete that raced a write, a crash between
+        the file and its row) are deleted first: a deleted conversation leaves nothing."""
+        sessions = self.store.all_sessions()
+        self.offload.reconcile({row["id"] for row in sessions})
         snaps = {r["session_id"] for r in self.store.snapshots()}
-        for row in self.store.all_sessions():
+        for row in sessions:
             if row["state"] in (SessionState.ACTIVE, SessionState.RESIDENT) or (
                     row["state"] == SessionState.PERSISTED and row["id"] not in snaps):
                 self.store.update_session(
