@@ -213,8 +213,7 @@ class KVOffloader:
         for sid, kv in pending:
             with self._gate(sid):
                 ok = self._write(sid, kv)
-            if ok:
-                self.on_state(sid, "persisted")
+            self.on_state(sid, "persisted" if ok else "cold")
 
     def _supervise_writer(self) -> None:
         """Restart the writer loop whenever it crashes: if it stayed dead, evicted KV would
@@ -281,19 +280,28 @@ class KVOffloader:
         if self._gone(sid):  # its row was deleted while we wrote: undo
             self.drop_snapshot(sid)
             return False
-        self.persists += 1
-        self.retry.forget(sid)
         try:  # the file is durable either way; a failed cleanup must not undo that
-            self._enforce_disk_budget(keep=sid)
+            kept = self._enforce_disk_budget(keep=sid)
         except Exception:  # noqa: BLE001 - retried after the next write
             log.exception("enforcing the snapshot disk budget failed")
+            kept = True
+        if not kept:  # larger than the whole budget: the KV stays where it was
+            self.failures += 1
+            self.last_error = (f"{time.strftime('%H:%M:%S')} persisting {sid[:8]} failed: "
+                               f"its snapshot alone exceeds --kv-disk-budget-mb")
+            self.retry.failed(sid, "the snapshot alone exceeds --kv-disk-budget-mb")
+            return False
+        self.persists += 1
+        self.retry.forget(sid)
         return True
 
-    def _enforce_disk_budget(self, keep: str) -> None:
+    def _enforce_disk_budget(self, keep: str) -> bool:
+        """Delete the oldest snapshots until the budget holds; False if `keep`'s own
+        snapshot had to go too (it alone is over budget)."""
         total = self.files.total_bytes()
         for row in self.store.snapshots():  # oldest first
             if total <= self.disk_budget:
-                return
+                return True
             if row["session_id"] == keep:
                 continue
             total -= row["bytes"]
@@ -302,5 +310,6 @@ class KVOffloader:
             log.info("disk budget: deleted the snapshot of session %s", row["session_id"])
         if total > self.disk_budget:  # this one alone is over budget
             self.drop_snapshot(keep)
-            self.on_state(keep, "cold")
+            return False
+        return True
 

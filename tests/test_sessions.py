@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import InvalidRequest, SamplingParams
+from engine.kv_cache import bytes_per_token
 from engine.loader import LoadedModel
 from sessions import SessionState
 from sessions.errors import SessionBusy, SessionNotFound
@@ -163,13 +164,14 @@ def test_idle_sessions_are_persisted_by_the_sweeper(nf4_model: LoadedModel,
 
 
 def test_disk_budget_deletes_the_oldest_snapshots(nf4_model: LoadedModel, tmp_path: Path) -> None:
-    engine, sm = make_sessions(nf4_model, tmp_path, kv_disk_budget_mb=1.5)  # ~one snapshot
+    budget_mb = 1.5 * bytes_per_token(nf4_model) / 23040  # ~one snapshot (1.5 MB in bf16)
+    engine, sm = make_sessions(nf4_model, tmp_path, kv_disk_budget_mb=budget_mb)
     try:
         a, b = sm.create_session("u"), sm.create_session("u")
         for s in (a, b):
             sm.chat("u", s["id"], Q1, GREEDY).result()
         assert sm.persist_now(a["id"]) and sm.persist_now(b["id"])
-        assert sm.files.total_bytes() <= 1.5 * 2**20
+        assert sm.files.total_bytes() <= budget_mb * 2**20
         assert sm.store.get_snapshot(a["id"]) is None and not sm.files.path(a["id"]).exists()
         assert sm.get_session("u", a["id"])["state"] == "cold"
         assert sm.store.get_snapshot(b["id"]) is not None
@@ -263,5 +265,21 @@ def test_stats_count_states_and_the_recompute_of_lost_kv(nf4_model: LoadedModel,
         assert after.recomputes == 1 and after.states == {"resident": 1}
         with pytest.raises(dataclasses.FrozenInstanceError):
             after.recomputes = 0  # type: ignore[misc]
+    finally:
+        close_sessions(engine, sm)
+
+
+def test_a_snapshot_larger_than_the_whole_disk_budget_leaves_the_kv_resident(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    engine, sm = make_sessions(nf4_model, tmp_path, kv_disk_budget_mb=0.01)
+    try:
+        s = sm.create_session("u")
+        sm.chat("u", s["id"], Q1, GREEDY).result()
+        assert not sm.persist_now(s["id"])
+        assert s["id"] in engine.resident_kv()  # not dropped: nothing else holds it
+        assert sm.get_session("u", s["id"])["state"] == "resident"
+        assert not sm.files.path(s["id"]).exists()
+        assert "exceeds" in (sm.stats().last_snapshot_error or "")
     finally:
         close_sessions(engine, sm)
