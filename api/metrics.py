@@ -6,7 +6,7 @@ import logging
 from collections.abc import Iterator
 
 from fastapi import APIRouter
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -63,6 +63,8 @@ class CrowdchatCollector(Collector):
                      s.tokens_per_s)
         yield _gauge("resident_sessions", "Sessions whose KV is resident in the pool",
                      s.resident_owners)
+        yield _gauge("engine_up", "1 while the engine thread serves, 0 once it failed",
+                     1 if s.alive else 0)
         m = self.engine.metrics
         with m.lock:  # a consistent histogram: buckets and sum from the same moment
             ttft = _histogram("ttft_seconds", "Time to first token", m.ttft_hist)
@@ -91,6 +93,27 @@ class CrowdchatCollector(Collector):
                        st.evictions)
         yield _counter("session_recomputes", "Turns that recomputed a lost KV prefix",
                        st.recomputes)
+        yield _counter("session_restore_errors",
+                       "Restores that failed unexpectedly (the session recomputed)",
+                       st.restore_errors)
+        yield _gauge("session_persist_backoff",
+                     "Sessions waiting to retry a failed snapshot write", len(st.persist_backoff))
+        yield _gauge("kv_writer_up", "1 while the KV writer thread is healthy",
+                     1 if st.kv_writer_healthy else 0)
+        yield _counter("kv_writer_restarts", "Times the KV writer thread crashed and restarted",
+                       st.kv_writer_restarts)
+
+
+def health_problems(engine: Engine, sessions: SessionManager) -> list[str]:
+    """What an operator must know is broken (empty when all is well)."""
+    problems = []
+    s = engine.stats()
+    if not s.alive:
+        problems.append(s.failure or "the engine has stopped")
+    if not sessions.stats().kv_writer_healthy:
+        problems.append("the KV writer thread keeps crashing: evicted sessions' KV is not "
+                        "being written to disk (see the log)")
+    return problems
 
 
 def build_metrics_router(engine: Engine, sessions: SessionManager) -> APIRouter:
@@ -104,5 +127,12 @@ def build_metrics_router(engine: Engine, sessions: SessionManager) -> APIRouter:
     @router.get("/metrics")
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @router.get("/health")
+    def health() -> Response:
+        """200 while every background part serves; 503 with the reasons otherwise."""
+        problems = health_problems(engine, sessions)
+        return JSONResponse({"status": "unhealthy" if problems else "ok",
+                             "problems": problems}, status_code=503 if problems else 200)
 
     return router

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine import Engine
 from sessions.limits import TokenRateLimiter
@@ -45,6 +45,11 @@ class SessionStats:
     evictions: int  # idle sessions moved out of a full pool
     rate_limited: int  # turns refused by the per-user token budget
     last_snapshot_error: str | None
+    restore_errors: int = 0  # restores that failed unexpectedly (not a bad or stale file)
+    last_restore_error: str | None = None
+    kv_writer_healthy: bool = True  # the thread that makes evicted KV durable
+    kv_writer_restarts: int = 0
+    persist_backoff: dict[str, str] = field(default_factory=dict)  # session -> why, retry when
 
 
 def session_facts(engine: Engine, store: Store, active: Container[str]) -> list[SessionFacts]:
@@ -74,4 +79,9 @@ def session_stats(store: Store, residency: Residency, limiter: TokenRateLimiter)
         disk_budget_bytes=off.disk_budget, host_bytes=off.host_bytes(),
         restores=dict(off.restores), recomputes=residency.recomputes,
         persists=off.persists, persist_failures=off.failures, evictions=off.evictions,
-        rate_limited=limiter.refused, last_snapshot_error=off.last_error)
+        rate_limited=limiter.refused, last_snapshot_error=off.last_error,
+        restore_errors=off.restore_errors, last_restore_error=off.last_restore_error,
+        kv_writer_healthy=off.healthy(), kv_writer_restarts=off.writer_restarts,
+        persist_backoff={sid: f"{st.failures} failed write(s), last: {st.last_error}; next try "
+                              f"{time.strftime('%H:%M:%S', time.localtime(st.retry_at))}"
+                         for sid, st in off.persist_failing().items()})

@@ -59,7 +59,7 @@ class Residency:
         """Admin: write the session's KV to disk and free its blocks now."""
         if self.is_busy(sid):
             return False
-        return self.offload.persist(sid)
+        return self.offload.persist(sid, force=True)  # an explicit request: no backoff
 
     def drop_kv(self, sid: str) -> None:
         """Admin: forget the session's KV everywhere (its next turn recomputes)."""

@@ -84,9 +84,21 @@ class Monitor:
         if len(recent) >= 5 and min(r["queue"] for r in recent) > 0:
             out.append("Requests have been queueing for 30 s: the server is at capacity; "
                        "raise the KV budget or add capacity.")
-        error = self.sessions.stats().last_snapshot_error
-        if error:
-            out.append(f"Snapshot error: {error}")
+        st = self.sessions.stats()
+        engine = self.engine.stats()
+        if not engine.alive:
+            out.append(f"ENGINE DOWN: {engine.failure or 'stopped'}. Every request fails "
+                       "until the server restarts.")
+        if not st.kv_writer_healthy:
+            out.append(f"KV writer unhealthy ({st.kv_writer_restarts} restarts): evicted "
+                       "sessions' KV is not reaching the disk; see the log.")
+        if st.last_snapshot_error:
+            out.append(f"Snapshot error: {st.last_snapshot_error}")
+        for sid, why in list(st.persist_backoff.items())[:5]:
+            out.append(f"Session {sid[:8]} cannot be persisted: {why}")
+        if st.restore_errors:
+            out.append(f"{st.restore_errors} restore(s) failed unexpectedly (the sessions "
+                       f"recomputed); last: {st.last_restore_error}")
         return out
 
     def fits(self, tokens: int) -> int:
