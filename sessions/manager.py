@@ -107,13 +107,13 @@ class SessionManager:
 
     def chat(self, owner: str, sid: str, text: str, params: SamplingParams) -> ChatTurn:
         """Add the user's message (committed before anything streams) and start the reply."""
-        session = self.get_session(owner, sid)
+        self.get_session(owner, sid)
         text = clean_text(text, self.config.max_message_chars)
         params = self._limit(owner, params)
-        history = self.store.messages(sid)
-        convo = [*conversation(session, history), {"role": "user", "content": text}]
-        prompt = self.prompts.encode_fitting(convo, params)
-        with self._claimed(sid):
+        with self._claimed(sid) as session:
+            history = self.store.messages(sid)
+            convo = [*conversation(session, history), {"role": "user", "content": text}]
+            prompt = self.prompts.encode_fitting(convo, params)
             update = {"state": SessionState.ACTIVE, "last_active": time.time()}
             if not session["title"]:
                 update["title"] = " ".join(text.split())[:TITLE_CHARS]
@@ -122,9 +122,9 @@ class SessionManager:
 
     def regenerate(self, owner: str, sid: str, params: SamplingParams) -> ChatTurn:
         """Replace the last reply with a new one."""
-        session = self.get_session(owner, sid)
+        self.get_session(owner, sid)
         params = self._limit(owner, params)
-        with self._claimed(sid):
+        with self._claimed(sid) as session:
             history = self.store.messages(sid)
             old = history.pop() if history and history[-1]["role"] == "assistant" else None
             if not history or history[-1]["role"] != "user":
@@ -136,10 +136,10 @@ class SessionManager:
 
     def edit_last(self, owner: str, sid: str, text: str, params: SamplingParams) -> ChatTurn:
         """Replace the last user message (and its reply) and answer it again."""
-        session = self.get_session(owner, sid)
+        self.get_session(owner, sid)
         text = clean_text(text, self.config.max_message_chars)
         params = self._limit(owner, params)
-        with self._claimed(sid):
+        with self._claimed(sid) as session:
             history = self.store.messages(sid)
             replies = []
             while history and history[-1]["role"] == "assistant":
@@ -210,16 +210,21 @@ class SessionManager:
         return params
 
     @contextmanager
-    def _claimed(self, sid: str) -> Iterator[None]:
-        """Mark the session as answering for the block (SessionBusy if it already is). If
-        the block raises, the session is free again; otherwise the turn the block started
-        holds it until the turn ends."""
+    def _claimed(self, sid: str) -> Iterator[dict]:
+        """Mark the session as answering for the block (SessionBusy if it already is) and
+        give it the session row as it is now: read after the claim, like the history, so a
+        turn that just ended has committed everything the block reads. If the block raises,
+        the session is free again; otherwise the turn the block started holds it until the
+        turn ends."""
         with self._active_lock:
             if sid in self._active:
                 raise SessionBusy("this conversation is still answering; wait or press Stop")
             self._active[sid] = None
         try:
-            yield
+            session = self.store.get_session(sid)
+            if session is None:  # deleted since the owner check
+                raise SessionNotFound("no such conversation")
+            yield session
         except BaseException:
             self._release(sid)
             raise
