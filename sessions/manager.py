@@ -240,8 +240,7 @@ class SessionManager:
             restore=functools.partial(self.residency.restore, sid, had_kv=prior > 0),
             submit=functools.partial(self.engine.submit, owner=sid, retain=True),
             queue_position=self.engine.queue_position,
-            on_end=functools.partial(self._end_turn, owner=session["owner"],
-                                     prior_tokens=prior),
+            on_end=functools.partial(self._end_turn, owner=session["owner"]),
             on_accept=on_accept)
         self._active[sid] = turn
         return turn
@@ -253,10 +252,11 @@ class SessionManager:
         self.store.replace_reply(turn.session_id, reply_ids, edit, session_fields={
             "state": SessionState.ACTIVE, "last_active": time.time()})
 
-    def _end_turn(self, turn: ChatTurn, owner: str, prior_tokens: int) -> None:
+    def _end_turn(self, turn: ChatTurn, owner: str) -> None:
         """Commit the reply (also a partial or failed one) and the session's new state, then
         free the session for its next turn. A turn the engine never took leaves the
-        conversation as it was."""
+        conversation as it was. The owner is charged what the turn cost the server: the
+        prompt tokens it computed (a dropped history's recompute too) and the reply."""
         sid = turn.session_id
         try:
             if not turn.accepted:
@@ -264,8 +264,7 @@ class SessionManager:
                                           last_active=time.time())
                 return
             generated = turn.num_generated_tokens
-            # what the user added, not what the server had to redo
-            self.limiter.record(owner, generated + max(len(turn.prompt) - prior_tokens, 0))
+            self.limiter.record(owner, generated + turn.num_prefilled_tokens)
             update = {"state": SessionState.RESIDENT, "token_count": len(turn.prompt) + generated,
                       "last_active": time.time(), "fingerprint": self.offload.fingerprint}
             if turn.text or turn.finish_reason != "error":

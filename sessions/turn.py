@@ -52,6 +52,14 @@ class ChatTurn:
         return self.handle.num_prompt_tokens if self.handle else 0
 
     @property
+    def num_prefilled_tokens(self) -> int:
+        """Prompt tokens the engine computed: all but the prefix served from resident KV (a
+        request stopped while queued counts its whole prompt; the engine does not say)."""
+        if self.handle is None:
+            return 0
+        return max(self.handle.num_prompt_tokens - self.handle.num_cached_tokens, 0)
+
+    @property
     def num_generated_tokens(self) -> int:
         return self.handle.num_generated_tokens if self.handle else 0
 
