@@ -81,8 +81,8 @@ def test_a_regenerate_or_edit_the_server_turns_away_leaves_the_conversation_as_i
             turn = start()
             with pytest.raises(ServerBusy):
                 turn.result()
-            assert not turn.accepted
             assert sm.messages("u", sid) == before  # the old reply and message are still there
+            assert not turn.accepted
             assert sm.get_session("u", sid)["token_count"] == 30
     finally:
         close_sessions(engine, sm)
