@@ -12,8 +12,9 @@ WINDOW_S = 60.0
 
 
 class TokenRateLimiter:
-    """A sliding one-minute window of tokens per owner: what their turns added (their new
-    message's tokens and the reply), never the recompute of a history the server dropped.
+    """A sliding one-minute window of tokens per owner: what their turns cost the server,
+    the prompt tokens it computed (a history recomputed after its KV was dropped or cut
+    counts; a prefix served from resident KV does not) and the reply.
 
     `check` refuses a new turn while the owner's last minute is at or over the limit;
     `record` adds what a turn cost once it is known. A limit of 0 turns it off.

@@ -8,7 +8,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -107,52 +107,51 @@ class SessionManager:
 
     def chat(self, owner: str, sid: str, text: str, params: SamplingParams) -> ChatTurn:
         """Add the user's message (committed before anything streams) and start the reply."""
-        session = self.get_session(owner, sid)
+        self.get_session(owner, sid)
         text = clean_text(text, self.config.max_message_chars)
         params = self._limit(owner, params)
-        history = self.store.messages(sid)
-        convo = [*conversation(session, history), {"role": "user", "content": text}]
-        prompt = self.prompts.encode_fitting(convo, params)
-        with self._claimed(sid):
+        with self._claimed(sid) as session:
+            history = self.store.messages(sid)
+            convo = [*conversation(session, history), {"role": "user", "content": text}]
+            prompt = self.prompts.encode_fitting(convo, params)
             update = {"state": SessionState.ACTIVE, "last_active": time.time()}
             if not session["title"]:
                 update["title"] = " ".join(text.split())[:TITLE_CHARS]
             self.store.add_message(sid, "user", text, session_fields=update)
-            return self._start(sid, prompt, params, session, marked=True)
+            return self._start(sid, prompt, params, session)
 
     def regenerate(self, owner: str, sid: str, params: SamplingParams) -> ChatTurn:
-        """Replace the last reply with a new one."""
-        session = self.get_session(owner, sid)
+        """Replace the last reply with a new one, once the engine accepted the new request
+        (until then the old reply stays, also when the server turns the request away)."""
+        self.get_session(owner, sid)
         params = self._limit(owner, params)
-        with self._claimed(sid):
+        with self._claimed(sid) as session:
             history = self.store.messages(sid)
             old = history.pop() if history and history[-1]["role"] == "assistant" else None
             if not history or history[-1]["role"] != "user":
                 raise InvalidRequest("there is no message to answer again")
             prompt = self.prompts.encode_fitting(conversation(session, history), params)
-            if old is not None:  # only once the new reply can start
-                self.store.delete_message(old["id"])
-            return self._start(sid, prompt, params, session)
+            replace = functools.partial(self._replace, reply_ids=[old["id"]] if old else [])
+            return self._start(sid, prompt, params, session, on_accept=replace)
 
     def edit_last(self, owner: str, sid: str, text: str, params: SamplingParams) -> ChatTurn:
-        """Replace the last user message (and its reply) and answer it again."""
-        session = self.get_session(owner, sid)
+        """Replace the last user message (and its reply) and answer it again; the edit is
+        written, in one transaction, once the engine accepted the new request."""
+        self.get_session(owner, sid)
         text = clean_text(text, self.config.max_message_chars)
         params = self._limit(owner, params)
-        with self._claimed(sid):
+        with self._claimed(sid) as session:
             history = self.store.messages(sid)
             replies = []
             while history and history[-1]["role"] == "assistant":
                 replies.append(history.pop())
             if not history:
                 raise InvalidRequest("there is no message to edit")
-            last = history[-1]
             convo = [*conversation(session, history[:-1]), {"role": "user", "content": text}]
             prompt = self.prompts.encode_fitting(convo, params)
-            for reply in replies:  # only once the edited message is known to fit
-                self.store.delete_message(reply["id"])
-            self.store.update_message(last["id"], content=text)
-            return self._start(sid, prompt, params, session)
+            replace = functools.partial(self._replace, reply_ids=[r["id"] for r in replies],
+                                        edit=(history[-1]["id"], text))
+            return self._start(sid, prompt, params, session, on_accept=replace)
 
     def prefetch(self, owner: str, sid: str) -> None:
         """The user opened this conversation: bring its KV back while they type."""
@@ -210,16 +209,21 @@ class SessionManager:
         return params
 
     @contextmanager
-    def _claimed(self, sid: str) -> Iterator[None]:
-        """Mark the session as answering for the block (SessionBusy if it already is). If
-        the block raises, the session is free again; otherwise the turn the block started
-        holds it until the turn ends."""
+    def _claimed(self, sid: str) -> Iterator[dict]:
+        """Mark the session as answering for the block (SessionBusy if it already is) and
+        give it the session row as it is now: read after the claim, like the history, so a
+        turn that just ended has committed everything the block reads. If the block raises,
+        the session is free again; otherwise the turn the block started holds it until the
+        turn ends."""
         with self._active_lock:
             if sid in self._active:
                 raise SessionBusy("this conversation is still answering; wait or press Stop")
             self._active[sid] = None
         try:
-            yield
+            session = self.store.get_session(sid)
+            if session is None:  # deleted since the owner check
+                raise SessionNotFound("no such conversation")
+            yield session
         except BaseException:
             self._release(sid)
             raise
@@ -229,28 +233,38 @@ class SessionManager:
             self._active.pop(sid, None)
 
     def _start(self, sid: str, prompt: list[int], params: SamplingParams, session: dict,
-               marked: bool = False) -> ChatTurn:
+               on_accept: Callable[[ChatTurn], None] | None = None) -> ChatTurn:
         prior = session["token_count"]  # the conversation's tokens before this turn
         turn = ChatTurn(
             sid, prompt, params,
             restore=functools.partial(self.residency.restore, sid, had_kv=prior > 0),
             submit=functools.partial(self.engine.submit, owner=sid, retain=True),
             queue_position=self.engine.queue_position,
-            on_end=functools.partial(self._end_turn, owner=session["owner"],
-                                     prior_tokens=prior))
+            on_end=functools.partial(self._end_turn, owner=session["owner"]),
+            on_accept=on_accept)
         self._active[sid] = turn
-        if not marked:
-            self.store.update_session(sid, state=SessionState.ACTIVE, last_active=time.time())
         return turn
 
-    def _end_turn(self, turn: ChatTurn, owner: str, prior_tokens: int) -> None:
+    def _replace(self, turn: ChatTurn, reply_ids: list[int],
+                 edit: tuple[int, str] | None = None) -> None:
+        """The engine took a regenerate or an edit: the old reply goes (and the edited
+        message is rewritten) in one transaction, before the new reply streams."""
+        self.store.replace_reply(turn.session_id, reply_ids, edit, session_fields={
+            "state": SessionState.ACTIVE, "last_active": time.time()})
+
+    def _end_turn(self, turn: ChatTurn, owner: str) -> None:
         """Commit the reply (also a partial or failed one) and the session's new state, then
-        free the session for its next turn."""
+        free the session for its next turn. A turn the engine never took leaves the
+        conversation as it was. The owner is charged what the turn cost the server: the
+        prompt tokens it computed (a dropped history's recompute too) and the reply."""
         sid = turn.session_id
         try:
+            if not turn.accepted:
+                self.store.update_session(sid, state=SessionState.RESIDENT,
+                                          last_active=time.time())
+                return
             generated = turn.num_generated_tokens
-            if turn.handle is not None:  # what the user added, not what the server had to redo
-                self.limiter.record(owner, generated + max(len(turn.prompt) - prior_tokens, 0))
+            self.limiter.record(owner, generated + turn.num_prefilled_tokens)
             update = {"state": SessionState.RESIDENT, "token_count": len(turn.prompt) + generated,
                       "last_active": time.time(), "fingerprint": self.offload.fingerprint}
             if turn.text or turn.finish_reason != "error":

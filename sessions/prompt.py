@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import secrets
 import unicodedata
 
 from engine import InvalidRequest, PromptTooLong, SamplingParams
 from engine.chat_format import ChatFormatter
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
+KEEP_FRACTION = 0.75  # a conversation that outgrew its context is cut down to this much of it
+TOKEN_CACHE_ENTRIES = 16_384  # tokenized pieces of text kept (messages, template pieces)
 
 
 def clean_text(text: object, limit: int) -> str:
@@ -48,28 +52,82 @@ def conversation(session: dict, history: list[dict]) -> list[Message]:
     return convo
 
 
+def first_kept(costs: list[int], is_user: list[bool], fixed: int, budget: int) -> int:
+    """The index of the first turn a conversation keeps, given each turn's token cost, the
+    tokens always kept (template head, system prompt) and the prompt budget.
+
+    The turns are replayed as they came, each user message being one turn's prompt. Once a
+    prompt outgrows the budget, the oldest turns go at once until it fills KEEP_FRACTION of
+    the budget, and that cut holds until the conversation outgrows the budget again: every
+    turn finds the cut its predecessors used, so their KV prefix stays valid and a turn
+    prefills only its new tokens (a cut that moved every turn recomputed the whole context
+    each turn). Kept turns start with a user message.
+    """
+    target = int(budget * KEEP_FRACTION)
+    start, total = 0, fixed
+    for i, cost in enumerate(costs):
+        total += cost
+        if (is_user[i] or i == len(costs) - 1) and total > budget:
+            while start < i and (total > target or not is_user[start]):
+                total -= costs[start]
+                start += 1
+    return start
+
+
 class PromptEncoder:
-    """The one ChatFormatter of the session layer, and the context it must fit."""
+    """The one ChatFormatter of the session layer, and the context it must fit. Each piece
+    of text (a message, a piece of the template) is tokenized once and cached."""
 
     def __init__(self, formatter: ChatFormatter, max_model_len: int) -> None:
         self.formatter = formatter
         self.max_model_len = max_model_len
+        self._tokens = functools.lru_cache(maxsize=TOKEN_CACHE_ENTRIES)(self._tokenize)
 
     def encode(self, messages: list[Message]) -> list[int]:
         """Token ids of a conversation as it is (a one-off request: nothing is dropped)."""
         return self.formatter.encode(messages)
 
     def encode_fitting(self, convo: list[Message], params: SamplingParams) -> list[int]:
-        """Token ids of the conversation; the oldest turns give way when it outgrows the
-        context (the system prompt and the newest message always stay)."""
+        """Token ids of the conversation; the oldest turns give way, in steps (see
+        `first_kept`), when it outgrows the context. The system prompt and the newest message
+        always stay."""
         budget = self.max_model_len - min(params.max_new_tokens, 256)
-        system = convo[:1] if convo and convo[0]["role"] == "system" else []
-        turns = convo[len(system):]
+        n_system = 1 if convo and convo[0]["role"] == "system" else 0
+        pieces = self.pieces(convo)
+        # message i is its text and the template after it (its end, the next one's start)
+        costs = [len(pieces[2 * i + 1]) + len(pieces[2 * i + 2]) for i in range(len(convo))]
+        turns = convo[n_system:]
+        start = n_system + first_kept(costs[n_system:], [m["role"] == "user" for m in turns],
+                                      len(pieces[0]) + sum(costs[:n_system]), budget)
         while True:
-            ids = self.formatter.encode(system + turns)
+            kept = convo[:n_system] + convo[start:]
+            ids = [t for piece in (pieces if start == n_system else self.pieces(kept))
+                   for t in piece]
             if len(ids) <= budget:
                 return ids
-            if len(turns) <= 1:
+            # a template whose pieces depend on their neighbours: one more turn goes
+            later = [i for i in range(start + 1, len(convo)) if convo[i]["role"] == "user"]
+            if not later:
                 raise PromptTooLong(f"the message is {len(ids)} tokens long; this server's "
                                     f"context holds {budget} (shorten it)")
-            turns = turns[2:] if len(turns) > 2 else turns[1:]
+            start = later[0]
+
+    def pieces(self, messages: list[Message]) -> list[tuple[int, ...]]:
+        """The ids `ChatFormatter.encode` gives, in pieces: template text, message 0's text,
+        template text, message 1's text, ..., template text (with the generation prompt)."""
+        marker = f"\x00{secrets.token_hex(8)}"
+        masked = [{"role": m["role"], "content": f"{marker}{i}{marker}"}
+                  for i, m in enumerate(messages)]
+        rendered = self.formatter.tokenizer.apply_chat_template(
+            masked, tokenize=False, add_generation_prompt=True)
+        parts = rendered.split(marker)
+        assert len(parts) == 2 * len(messages) + 1, "the template dropped or repeated a message"
+        return [self._tokens(part, False) if i % 2 == 0
+                else self._tokens(messages[int(part)]["content"], True)
+                for i, part in enumerate(parts)]
+
+    def _tokenize(self, text: str, user_text: bool) -> tuple[int, ...]:
+        # user text never becomes markup: special tokens typed in it are split (as in
+        # ChatFormatter); template text keeps them
+        extra = {"split_special_tokens": True} if user_text else {}
+        return tuple(self.formatter.tokenizer.encode(text, add_special_tokens=False, **extra))

@@ -145,6 +145,23 @@ class Store:
         """Delete message `id` (regenerating replaces the last reply)."""
         self.sql.write(lambda db: db.table("messages").delete_where("id = ?", [id]))
 
+    def replace_reply(self, session_id: str, reply_ids: list[int],
+                      edit: tuple[int, str] | None = None,
+                      session_fields: dict[str, Any] | None = None) -> None:
+        """Delete a turn's reply rows and, for an edit `(message id, text)`, rewrite its user
+        message, with the session's fields, in one transaction: all of it or nothing."""
+        fields = _session_fields(session_fields or {})
+
+        def write(db: Database) -> None:
+            for id in reply_ids:
+                db.table("messages").delete_where("id = ? AND session_id = ?", [id, session_id])
+            if edit is not None:
+                db.table("messages").update(edit[0], {"content": edit[1]})
+            if fields:
+                db.table("sessions").update(session_id, fields)
+
+        self._write(write)
+
     def messages(self, session_id: str) -> list[dict]:
         """The session's messages in the order they were added."""
         return self._rows("messages", "session_id = ?", [session_id], "id")

@@ -15,16 +15,20 @@ class ChatTurn:
     coming back from disk), 'queued' (see `queue_position`), 'generating', then 'done'.
 
     Everything it needs comes in at construction: `restore()` brings the session's KV back
-    and says from where, `submit(prompt, params)` starts the engine request, and
+    and says from where, `submit(prompt, params)` starts the engine request, `on_accept(turn)`
+    runs once the engine took it and before any delta streams (a regenerate or an edit
+    replaces the old turn then, so a refused request leaves the conversation as it was), and
     `on_end(turn)` commits the reply (also a stopped or failed one) and frees the session.
-    Errors surface as CrowdchatError from the iteration.
+    `accepted` says whether the request got that far. Errors surface as CrowdchatError from
+    the iteration.
     """
 
     def __init__(self, sid: str, prompt: list[int], params: SamplingParams, *,
                  restore: Callable[[], str],
                  submit: Callable[[list[int], SamplingParams], RequestHandle],
                  queue_position: Callable[[RequestHandle], int | None],
-                 on_end: Callable[[ChatTurn], None]) -> None:
+                 on_end: Callable[[ChatTurn], None],
+                 on_accept: Callable[[ChatTurn], None] | None = None) -> None:
         self.session_id = sid
         self.prompt = prompt
         self.params = params
@@ -34,16 +38,26 @@ class ChatTurn:
         self.text = ""
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.accepted = False
         self._restore = restore
         self._submit = submit
         self._queue_position = queue_position
         self._on_end = on_end
+        self._on_accept = on_accept
         self._cancelled = False
         self._started = False
 
     @property
     def num_prompt_tokens(self) -> int:
         return self.handle.num_prompt_tokens if self.handle else 0
+
+    @property
+    def num_prefilled_tokens(self) -> int:
+        """Prompt tokens the engine computed: all but the prefix served from resident KV (a
+        request stopped while queued counts its whole prompt; the engine does not say)."""
+        if self.handle is None:
+            return 0
+        return max(self.handle.num_prompt_tokens - self.handle.num_cached_tokens, 0)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -71,6 +85,9 @@ class ChatTurn:
                 return
             self.status = "queued"
             self.handle = self._submit(self.prompt, self.params)
+            if self._on_accept is not None:
+                self._on_accept(self)
+            self.accepted = True
             for delta in self.handle:
                 self.status = "generating"
                 self.text += delta
