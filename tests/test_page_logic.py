@@ -76,9 +76,40 @@ def test_signed_in_user_sees_their_conversations_from_any_browser(
         laptop.predict("Remember the word banana.", "0" * 32, "", 0.0, 1.0, 16,
                        api_name="/on_send")
         phone = Client(url, auth=("ann", "s3cret-pass"), verbose=False)
-        _user, convos, history = phone.predict("f" * 32, api_name="/on_load")
+        _user, convos, history, _system = phone.predict("f" * 32, api_name="/on_load")
         assert len(convos["choices"]) == 1
         assert "banana" in str(history)
         assert sm.list_sessions("user:ann")
         with pytest.raises(Exception):  # noqa: B017 - gradio_client raises its own type
             Client(url, auth=("ann", "wrong"), verbose=False)
+
+
+def test_a_conversation_keeps_its_system_prompt_across_reload_switch_and_new_chat(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    engine, sm = make_sessions(nf4_model, tmp_path)
+    try:
+        page = ChatPage(sm)
+        user = "a" * 32
+        owner = f"browser:{user}"
+
+        def send(message: str, sid: str | None, system: str) -> str:
+            *_, last = page.on_send(message, user, sid, False, system, 0.0, 1.0, 8, None)
+            return last[3]
+
+        pirate = send("Hello there.", None, "You are a pirate.")
+        # a reload: the box shows the conversation's own prompt, so the next Send keeps it
+        _user, _convos, sid, _history, system = page.on_load(user, None)
+        assert (sid, system) == (pirate, "You are a pirate.")
+        send("And again.", sid, system)
+        assert sm.get_session(owner, pirate)["system_prompt"] == "You are a pirate."
+        # "New chat" empties the box; the new conversation keeps its own (empty) prompt
+        assert page.on_new()[4] == ""
+        plain = send("Hi.", None, "")
+        assert page.on_select(user, pirate, None)[3] == "You are a pirate."
+        assert page.on_select(user, plain, None)[3] == ""
+        assert sm.get_session(owner, plain)["system_prompt"] == ""
+        assert sm.get_session(owner, pirate)["system_prompt"] == "You are a pirate."
+        assert page.on_delete(user, plain, None)[3] == ""
+    finally:
+        close_sessions(engine, sm)

@@ -38,7 +38,8 @@ def build_chat_blocks(page: ChatPage, concurrency: int) -> gr.Blocks:
                     regen_btn = gr.Button("↻ Regenerate", size="sm", elem_id="regenerate")
                     edit_btn = gr.Button("✎ Edit last message", size="sm", elem_id="edit")
                 with gr.Accordion("Settings", open=False):
-                    system = gr.Textbox(label="System prompt", lines=2,
+                    system = gr.Textbox(label="System prompt", lines=2, elem_id="system",
+                                        info="Kept with this conversation.",
                                         placeholder="e.g. You are a concise assistant.")
                     temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature")
                     top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
@@ -57,12 +58,14 @@ def build_chat_blocks(page: ChatPage, concurrency: int) -> gr.Blocks:
                        show_progress="hidden")
         edit_btn.click(page.on_edit, [user, sid], [box, editing, status],
                        concurrency_limit=None)
-        new_btn.click(page.on_new, None, [sid, chatbot, status, convos], concurrency_limit=None)
-        convos.input(page.on_select, [user, convos], [sid, chatbot, status],
+        new_btn.click(page.on_new, None, [sid, chatbot, status, convos, system],
+                      concurrency_limit=None)
+        convos.input(page.on_select, [user, convos], [sid, chatbot, status, system],
                      concurrency_limit=None)
         rename_btn.click(page.on_rename, [user, sid, title], [convos, title],
                          concurrency_limit=None)
-        delete_btn.click(page.on_delete, [user, sid], [sid, chatbot, convos],
+        delete_btn.click(page.on_delete, [user, sid], [sid, chatbot, convos, system],
                          concurrency_limit=None)
-        demo.load(page.on_load, [user], [user, convos, sid, chatbot], concurrency_limit=None)
+        demo.load(page.on_load, [user], [user, convos, sid, chatbot, system],
+                  concurrency_limit=None)
     return demo

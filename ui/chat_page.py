@@ -51,24 +51,32 @@ class ChatPage:
         owner = self.owner(user, request)
         choices = self.choices(owner)
         sid = choices[0][1] if choices else None
-        history = to_chatbot(self.sm.messages(owner, sid)) if sid else []
-        if sid:
-            self.sm.prefetch(owner, sid)
-        return user, gr.update(choices=choices, value=sid), sid, history
+        history, system = self.opened(owner, sid) if sid else ([], "")
+        return user, gr.update(choices=choices, value=sid), sid, history, system
 
     def on_select(self, user: str, sid: str | None, request: gr.Request):  # noqa: ANN201
+        """Outputs: sid, chatbot, status, system prompt box."""
         owner = self.owner(user, request)
         if not sid:
-            return None, [], ""
+            return None, [], "", ""
         try:
-            history = to_chatbot(self.sm.messages(owner, sid))
+            history, system = self.opened(owner, sid)
         except CrowdchatError as e:
-            return None, [], f"Error: {e}"
-        self.sm.prefetch(owner, sid)
-        return sid, history, ""
+            return None, [], f"Error: {e}", ""
+        return sid, history, "", system
 
     def on_new(self):  # noqa: ANN201
-        return None, [], "", gr.update(value=None)
+        """A new conversation starts with an empty system prompt, not the last one's."""
+        return None, [], "", gr.update(value=None), ""
+
+    def opened(self, owner: str, sid: str) -> tuple[list[dict], str]:
+        """The conversation's messages and its own system prompt, which the settings box
+        shows (every Send saves the box: an empty box would erase the stored prompt); its
+        KV starts coming back while the user reads."""
+        system = self.sm.get_session(owner, sid)["system_prompt"]
+        history = to_chatbot(self.sm.messages(owner, sid))
+        self.sm.prefetch(owner, sid)
+        return history, system
 
     def on_rename(self, user: str, sid: str | None, title: str, request: gr.Request):  # noqa: ANN201
         owner = self.owner(user, request)
@@ -86,7 +94,7 @@ class ChatPage:
                 self.sm.delete_session(owner, sid)
             except CrowdchatError as e:
                 raise gr.Error(str(e)) from e
-        return None, [], gr.update(choices=self.choices(owner), value=None)
+        return None, [], gr.update(choices=self.choices(owner), value=None), ""
 
     def on_stop(self, user: str, sid: str | None, request: gr.Request) -> None:
         if sid:
