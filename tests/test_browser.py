@@ -88,3 +88,79 @@ def test_admin_login_and_memory_figures(browser: Browser, server: tuple) -> None
     time.sleep(3)  # a couple of refreshes so the plots have points
     page.screenshot(path=str(ARTIFACTS / "admin.png"), full_page=True)
     context.close()
+
+
+def session_titled(sm: object, title: str, replies: int, timeout: float = 120) -> dict:
+    """The stored conversation whose title starts with `title`, once it has `replies`
+    committed assistant messages."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for row in sm.store.all_sessions():  # type: ignore[attr-defined]
+            if row["title"].startswith(title):
+                msgs = sm.store.messages(row["id"])  # type: ignore[attr-defined]
+                if sum(m["role"] == "assistant" for m in msgs) >= replies:
+                    return row
+        time.sleep(0.2)
+    raise AssertionError(f"no conversation {title!r} with {replies} replies")
+
+
+def open_settings(page: Page) -> None:
+    page.locator("#settings").get_by_role("button").first.click()
+    expect(page.locator("#system textarea")).to_be_visible(timeout=10_000)
+
+
+def test_system_prompt_survives_a_reload_and_the_next_send(browser: Browser,
+                                                             server: tuple) -> None:
+    url, _, sm = server
+    context = browser.new_context(viewport={"width": 1100, "height": 900})
+    page = context.new_page()
+    page.goto(url + "/")
+    open_settings(page)
+    page.locator("#system textarea").fill("You are a pirate.")
+    page.locator("#message textarea").fill("Ahoy, who sails this ship?")
+    page.locator("#send").click()
+    row = session_titled(sm, "Ahoy, who sails", replies=1)
+    assert row["system_prompt"] == "You are a pirate."
+    page.reload()
+    expect(page.locator("#chatbot")).to_contain_text("Ahoy, who sails", timeout=20_000)
+    open_settings(page)
+    expect(page.locator("#system textarea")).to_have_value("You are a pirate.", timeout=20_000)
+    page.locator("#message textarea").fill("And where are we going?")
+    page.locator("#send").click()
+    row = session_titled(sm, "Ahoy, who sails", replies=2)
+    assert sm.store.get_session(row["id"])["system_prompt"] == "You are a pirate."
+    context.close()
+
+
+def test_a_reply_streams_only_into_the_conversation_on_screen(browser: Browser,
+                                                                server: tuple) -> None:
+    url, _, sm = server
+    context = browser.new_context(viewport={"width": 1100, "height": 900})
+    page = context.new_page()
+    page.goto(url + "/")
+    page.locator("#message textarea").fill("Name one colour.")
+    page.locator("#send").click()
+    session_titled(sm, "Name one colour", replies=1)
+    page.locator("#new-chat").click()
+    page.locator("#message textarea").fill("Write a long story about a lighthouse keeper.")
+    page.locator("#send").click()
+    expect(page.locator("#chatbot")).to_contain_text("lighthouse keeper", timeout=30_000)
+    deadline = time.time() + 60
+    while len(assistant_text(page)) < 10 and time.time() < deadline:
+        time.sleep(0.2)
+    page.locator("#convos").get_by_text("Name one colour.").click()
+    expect(page.locator("#chatbot")).to_contain_text("Name one colour", timeout=20_000)
+    for _ in range(10):  # the story keeps running, but never paints over this one
+        time.sleep(0.3)
+        assert "lighthouse" not in page.locator("#chatbot").inner_text()
+    # back to the story while it still runs: it paints there again, up to Stop
+    page.locator("#convos").get_by_text("Write a long story").click()
+    expect(page.locator("#chatbot")).to_contain_text("lighthouse keeper", timeout=20_000)
+    expect(page.locator("#status")).to_contain_text("Replying", timeout=20_000)
+    page.locator("#stop").click()
+    expect(page.locator("#status")).to_contain_text("Stopped", timeout=20_000)
+    story = session_titled(sm, "Write a long story", replies=1)
+    reply = sm.store.messages(story["id"])[-1]["content"]
+    assert len(reply) > 10 and "Name one colour" not in page.locator("#chatbot").inner_text()
+    expect(page.locator("#chatbot")).to_contain_text(reply.strip()[:30], timeout=10_000)
+    context.close()

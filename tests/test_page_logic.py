@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import gradio as gr
 import pytest
 from gradio_client import Client
 
@@ -16,7 +17,7 @@ from engine.loader import LoadedModel
 from tests.conftest import close_sessions, make_sessions
 from tests.web import running_server
 from ui import auth
-from ui.chat_page import ChatPage
+from ui.chat_page import ChatPage, Screen
 
 
 def test_status_tells_the_user_where_they_are(nf4_model: LoadedModel, tmp_path: Path) -> None:
@@ -76,9 +77,76 @@ def test_signed_in_user_sees_their_conversations_from_any_browser(
         laptop.predict("Remember the word banana.", "0" * 32, "", 0.0, 1.0, 16,
                        api_name="/on_send")
         phone = Client(url, auth=("ann", "s3cret-pass"), verbose=False)
-        _user, convos, history = phone.predict("f" * 32, api_name="/on_load")
+        _user, convos, history, _system = phone.predict("f" * 32, api_name="/on_load")
         assert len(convos["choices"]) == 1
         assert "banana" in str(history)
         assert sm.list_sessions("user:ann")
         with pytest.raises(Exception):  # noqa: B017 - gradio_client raises its own type
             Client(url, auth=("ann", "wrong"), verbose=False)
+
+
+def test_a_conversation_keeps_its_system_prompt_across_reload_switch_and_new_chat(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    engine, sm = make_sessions(nf4_model, tmp_path)
+    try:
+        page = ChatPage(sm)
+        user = "a" * 32
+        owner = f"browser:{user}"
+
+        screen = Screen()
+
+        def send(message: str, sid: str | None, system: str) -> str:
+            *_, last = page.on_send(message, user, sid, False, system, 0.0, 1.0, 8, screen,
+                                    None)
+            return last[3]
+
+        pirate = send("Hello there.", None, "You are a pirate.")
+        # a reload: the box shows the conversation's own prompt, so the next Send keeps it
+        _user, _convos, sid, _history, system = page.on_load(user, Screen(), None)
+        assert (sid, system) == (pirate, "You are a pirate.")
+        send("And again.", sid, system)
+        assert sm.get_session(owner, pirate)["system_prompt"] == "You are a pirate."
+        # "New chat" empties the box; the new conversation keeps its own (empty) prompt
+        assert page.on_new(screen)[4] == ""
+        plain = send("Hi.", None, "")
+        assert page.on_select(user, pirate, screen, None)[3] == "You are a pirate."
+        assert page.on_select(user, plain, screen, None)[3] == ""
+        assert sm.get_session(owner, plain)["system_prompt"] == ""
+        assert sm.get_session(owner, pirate)["system_prompt"] == "You are a pirate."
+        assert page.on_delete(user, plain, screen, None)[3] == ""
+    finally:
+        close_sessions(engine, sm)
+
+
+def test_a_reply_paints_only_while_its_conversation_is_on_screen(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    engine, sm = make_sessions(nf4_model, tmp_path)
+    try:
+        page = ChatPage(sm)
+        user = "b" * 32
+        owner = f"browser:{user}"
+        screen = Screen()
+        other = sm.create_session(owner)["id"]
+        sm.chat(owner, other, "Say hi.", SamplingParams(temperature=0, max_new_tokens=4)).result()
+        stream = page.on_send("Write a long story about a lighthouse keeper.", user, None, False,
+                              "", 0.0, 1.0, 200, screen, None)
+        first = next(stream)
+        sid = first[3]
+        assert first[0][0]["content"].startswith("Write a long story")
+        # the user opens the other conversation while the reply runs: nothing paints over it
+        assert page.on_select(user, other, screen, None)[0] == other
+        away = [next(stream) for _ in range(3)]
+        assert all(out == (gr.skip(),) * 6 for out in away), away
+        # back again: the reply so far, then the rest, paint again, into this conversation
+        page.on_select(user, sid, screen, None)
+        back = list(stream)
+        assert back and all(out[3] == sid for out in back)
+        final = back[-1][0]
+        assert [m["role"] for m in final] == ["user", "assistant"] and final[1]["content"]
+        stored = sm.messages(owner, sid)  # the turn ran on while away and was committed
+        assert [m["content"] for m in stored] == [m["content"] for m in final]
+        assert len(sm.messages(owner, other)) == 2
+    finally:
+        close_sessions(engine, sm)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from ui.chat_page import ChatPage
+from ui.chat_page import ChatPage, Screen
 
 
 def build_chat_blocks(page: ChatPage, concurrency: int) -> gr.Blocks:
@@ -14,6 +14,7 @@ def build_chat_blocks(page: ChatPage, concurrency: int) -> gr.Blocks:
         user = gr.BrowserState(None, storage_key="crowdchat_user", secret=page.browser_secret)
         sid = gr.State(None)
         editing = gr.State(False)
+        screen = gr.State(Screen())  # a copy per tab: which conversation it shows
         with gr.Row(equal_height=False, elem_id="layout"):
             with gr.Column(scale=1, min_width=220, elem_id="sidebar"):
                 gr.Markdown("## crowdchat", elem_id="brand")
@@ -37,8 +38,9 @@ def build_chat_blocks(page: ChatPage, concurrency: int) -> gr.Blocks:
                 with gr.Row():
                     regen_btn = gr.Button("↻ Regenerate", size="sm", elem_id="regenerate")
                     edit_btn = gr.Button("✎ Edit last message", size="sm", elem_id="edit")
-                with gr.Accordion("Settings", open=False):
-                    system = gr.Textbox(label="System prompt", lines=2,
+                with gr.Accordion("Settings", open=False, elem_id="settings"):
+                    system = gr.Textbox(label="System prompt", lines=2, elem_id="system",
+                                        info="Kept with this conversation.",
                                         placeholder="e.g. You are a concise assistant.")
                     temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature")
                     top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
@@ -46,23 +48,27 @@ def build_chat_blocks(page: ChatPage, concurrency: int) -> gr.Blocks:
                                            label="Max new tokens")
 
         turn_outputs = [chatbot, status, box, sid, convos, editing]
-        send_inputs = [box, user, sid, editing, system, temperature, top_p, max_tokens]
+        send_inputs = [box, user, sid, editing, system, temperature, top_p, max_tokens, screen]
+        # "multiple": a reply still running in a conversation the user left must not block
+        # Send in the one they opened (a second Send in a busy one is refused by the session)
         for trigger in (box.submit, send_btn.click):
             trigger(page.on_send, send_inputs, turn_outputs, concurrency_limit=concurrency,
-                    concurrency_id="turns", show_progress="hidden")
-        regen_btn.click(page.on_regenerate, [user, sid, temperature, top_p, max_tokens],
+                    concurrency_id="turns", show_progress="hidden", trigger_mode="multiple")
+        regen_btn.click(page.on_regenerate, [user, sid, temperature, top_p, max_tokens, screen],
                         turn_outputs, concurrency_limit=concurrency, concurrency_id="turns",
-                        show_progress="hidden")
+                        show_progress="hidden", trigger_mode="multiple")
         stop_btn.click(page.on_stop, [user, sid], None, concurrency_limit=None,
                        show_progress="hidden")
         edit_btn.click(page.on_edit, [user, sid], [box, editing, status],
                        concurrency_limit=None)
-        new_btn.click(page.on_new, None, [sid, chatbot, status, convos], concurrency_limit=None)
-        convos.input(page.on_select, [user, convos], [sid, chatbot, status],
+        new_btn.click(page.on_new, [screen], [sid, chatbot, status, convos, system],
+                      concurrency_limit=None)
+        convos.input(page.on_select, [user, convos, screen], [sid, chatbot, status, system],
                      concurrency_limit=None)
         rename_btn.click(page.on_rename, [user, sid, title], [convos, title],
                          concurrency_limit=None)
-        delete_btn.click(page.on_delete, [user, sid], [sid, chatbot, convos],
+        delete_btn.click(page.on_delete, [user, sid, screen], [sid, chatbot, convos, system],
                          concurrency_limit=None)
-        demo.load(page.on_load, [user], [user, convos, sid, chatbot], concurrency_limit=None)
+        demo.load(page.on_load, [user, screen], [user, convos, sid, chatbot, system],
+                  concurrency_limit=None)
     return demo

@@ -7,6 +7,7 @@ import logging
 import re
 import secrets
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import gradio as gr
 
@@ -21,6 +22,15 @@ POLL_S = 0.4
 
 def to_chatbot(messages: list[dict]) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+@dataclass
+class Screen:
+    """Which conversation one browser tab shows. Mutable on purpose: Gradio hands a State's
+    own object to every handler of that tab, so a reply still streaming sees the user open
+    another conversation and stops painting over it."""
+
+    sid: str | None = None
 
 
 class ChatPage:
@@ -43,7 +53,7 @@ class ChatPage:
     def choices(self, owner: str) -> list[tuple[str, str]]:
         return [(s["title"] or "New chat", s["id"]) for s in self.sm.list_sessions(owner)]
 
-    def on_load(self, user: str | None, request: gr.Request):  # noqa: ANN201
+    def on_load(self, user: str | None, screen: Screen, request: gr.Request):  # noqa: ANN201
         """First visit: mint a random 128-bit id kept in the browser. Return: the latest
         conversation, if any, and start restoring its KV in the background."""
         if not user or not USER_ID.match(user):
@@ -51,24 +61,38 @@ class ChatPage:
         owner = self.owner(user, request)
         choices = self.choices(owner)
         sid = choices[0][1] if choices else None
-        history = to_chatbot(self.sm.messages(owner, sid)) if sid else []
-        if sid:
-            self.sm.prefetch(owner, sid)
-        return user, gr.update(choices=choices, value=sid), sid, history
+        screen.sid = sid
+        history, system = self.opened(owner, sid) if sid else ([], "")
+        return user, gr.update(choices=choices, value=sid), sid, history, system
 
-    def on_select(self, user: str, sid: str | None, request: gr.Request):  # noqa: ANN201
+    def on_select(self, user: str, sid: str | None, screen: Screen,
+                  request: gr.Request):  # noqa: ANN201
+        """Outputs: sid, chatbot, status, system prompt box. A reply still streaming in the
+        conversation comes back on screen at its next delta (see _stream)."""
         owner = self.owner(user, request)
+        screen.sid = None
         if not sid:
-            return None, [], ""
+            return None, [], "", ""
         try:
-            history = to_chatbot(self.sm.messages(owner, sid))
+            history, system = self.opened(owner, sid)
         except CrowdchatError as e:
-            return None, [], f"Error: {e}"
-        self.sm.prefetch(owner, sid)
-        return sid, history, ""
+            return None, [], f"Error: {e}", ""
+        screen.sid = sid
+        return sid, history, "", system
 
-    def on_new(self):  # noqa: ANN201
-        return None, [], "", gr.update(value=None)
+    def on_new(self, screen: Screen):  # noqa: ANN201
+        """A new conversation starts with an empty system prompt, not the last one's."""
+        screen.sid = None
+        return None, [], "", gr.update(value=None), ""
+
+    def opened(self, owner: str, sid: str) -> tuple[list[dict], str]:
+        """The conversation's messages and its own system prompt, which the settings box
+        shows (every Send saves the box: an empty box would erase the stored prompt); its
+        KV starts coming back while the user reads."""
+        system = self.sm.get_session(owner, sid)["system_prompt"]
+        history = to_chatbot(self.sm.messages(owner, sid))
+        self.sm.prefetch(owner, sid)
+        return history, system
 
     def on_rename(self, user: str, sid: str | None, title: str, request: gr.Request):  # noqa: ANN201
         owner = self.owner(user, request)
@@ -79,14 +103,16 @@ class ChatPage:
                 raise gr.Error(str(e)) from e
         return gr.update(choices=self.choices(owner), value=sid), ""
 
-    def on_delete(self, user: str, sid: str | None, request: gr.Request):  # noqa: ANN201
+    def on_delete(self, user: str, sid: str | None, screen: Screen,
+                  request: gr.Request):  # noqa: ANN201
         owner = self.owner(user, request)
+        screen.sid = None
         if sid:
             try:
                 self.sm.delete_session(owner, sid)
             except CrowdchatError as e:
                 raise gr.Error(str(e)) from e
-        return None, [], gr.update(choices=self.choices(owner), value=None)
+        return None, [], gr.update(choices=self.choices(owner), value=None), ""
 
     def on_stop(self, user: str, sid: str | None, request: gr.Request) -> None:
         if sid:
@@ -112,7 +138,7 @@ class ChatPage:
 
     def on_send(self, message: str, user: str, sid: str | None, editing: bool,
                 system_prompt: str, temperature: float, top_p: float, max_tokens: float,
-                request: gr.Request) -> Iterator[tuple]:
+                screen: Screen, request: gr.Request) -> Iterator[tuple]:
         """Outputs: chatbot, status, textbox, sid, conversation list, editing."""
         owner = self.owner(user, request)
         try:
@@ -131,10 +157,11 @@ class ChatPage:
             history = to_chatbot(self.sm.messages(owner, sid)) if sid else []
             yield history, f"Error: {e}", gr.update(), sid, gr.update(), editing
             return
-        yield from self._stream(owner, sid, turn, clear_box=True)
+        yield from self._stream(owner, sid, turn, screen, clear_box=True)
 
     def on_regenerate(self, user: str, sid: str | None, temperature: float, top_p: float,
-                      max_tokens: float, request: gr.Request) -> Iterator[tuple]:
+                      max_tokens: float, screen: Screen,
+                      request: gr.Request) -> Iterator[tuple]:
         owner = self.owner(user, request)
         if not sid:
             yield [], "", gr.update(), sid, gr.update(), False
@@ -145,34 +172,45 @@ class ChatPage:
             yield to_chatbot(self.sm.messages(owner, sid)), f"Error: {e}", gr.update(), sid, \
                 gr.update(), False
             return
-        yield from self._stream(owner, sid, turn, clear_box=False)
+        yield from self._stream(owner, sid, turn, screen, clear_box=False)
 
-    def _stream(self, owner: str, sid: str, turn: ChatTurn, clear_box: bool) -> Iterator[tuple]:
-        """Run the turn on a thread; yield the growing reply, and the status while waiting."""
+    def _stream(self, owner: str, sid: str, turn: ChatTurn, screen: Screen,
+                clear_box: bool) -> Iterator[tuple]:
+        """Run the turn on a thread; yield the growing reply, and the status while waiting.
+        Only while `sid` is on screen: after the user opened another conversation the turn
+        runs on (and is committed) but every yield changes nothing, not even the tab's sid,
+        until they come back. Yielding still lets Gradio close us when the tab goes away."""
+        screen.sid = sid
         history = to_chatbot(self.sm.messages(owner, sid))
         history.append({"role": "assistant", "content": ""})
         box = "" if clear_box else gr.update()
         choices = gr.update(choices=self.choices(owner), value=sid)
         events = RelayThread(turn, "crowdchat-page-reply")
+
+        def paint(status: str, box: object = None, convos: object = None) -> tuple:
+            if screen.sid != sid:
+                return (gr.skip(),) * 6
+            return (history, status, gr.skip() if box is None else box, sid,
+                    gr.skip() if convos is None else convos, False)
+
         try:
-            yield history, self.status(turn), box, sid, choices, False
+            yield paint(self.status(turn), box, choices)
             while True:
                 # no event within POLL_S: the status line still moves (queue position)
                 match events.get(timeout=POLL_S):
                     case Delta(text):
                         history[-1]["content"] += text
-                        yield history, self.status(turn), gr.update(), sid, gr.update(), False
+                        yield paint(self.status(turn))
                     case Failed(error):
-                        yield history, f"Error: {_message(error)}", gr.update(), sid, \
-                            gr.update(), False
+                        yield paint(f"Error: {_message(error)}")
                         return
                     case End():
                         note = "Stopped." if turn.finish_reason == "cancelled" else ""
-                        yield history, note, gr.update(), sid, gr.update(
-                            choices=self.choices(owner), value=sid), False
+                        yield paint(note, convos=gr.update(choices=self.choices(owner),
+                                                           value=sid))
                         return
                     case None:
-                        yield history, self.status(turn), gr.update(), sid, gr.update(), False
+                        yield paint(self.status(turn))
         finally:
             if turn.status != "done":
                 turn.cancel()  # the browser went away (tab closed): free the batch slot
