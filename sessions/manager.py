@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+from sqlite_utils.db import NotFoundError
+
 from engine import Engine, InvalidRequest, SamplingParams
 from engine.chat_format import ChatFormatter
 from sessions.admin import SessionFacts, SessionStats, session_facts, session_stats
@@ -92,7 +94,7 @@ class SessionManager:
     def delete_session(self, owner: str, sid: str) -> None:
         self.get_session(owner, sid)
         self.stop(owner, sid)
-        self.offload.discard(sid)
+        self.offload.discard(sid, deleted=True)  # final: a turn still ending writes nothing
         self.store.delete_session(sid)
 
     # -- replies ------------------------------------------------------------------------
@@ -272,6 +274,8 @@ class SessionManager:
                                        finish_reason=turn.finish_reason, session_fields=update)
             else:
                 self.store.update_session(sid, **update)
+        except NotFoundError:  # the conversation was deleted while it answered
+            log.info("session %s was deleted during its turn; its reply is dropped", sid)
         finally:
             self._release(sid)
 
