@@ -90,7 +90,7 @@ def test_admin_login_and_memory_figures(browser: Browser, server: tuple) -> None
     context.close()
 
 
-def session_titled(sm: object, title: str, replies: int, timeout: float = 120) -> dict:
+def session_titled(sm: object, title: str, replies: int, timeout: float = 300) -> dict:
     """The stored conversation whose title starts with `title`, once it has `replies`
     committed assistant messages."""
     deadline = time.time() + timeout
@@ -117,6 +117,9 @@ def test_system_prompt_survives_a_reload_and_the_next_send(browser: Browser,
     page.goto(url + "/")
     open_settings(page)
     page.locator("#system textarea").fill("You are a pirate.")
+    short = page.locator("#max-tokens input[type=number]")  # a short reply on a slow CPU
+    short.fill("16")
+    short.press("Tab")
     page.locator("#message textarea").fill("Ahoy, who sails this ship?")
     page.locator("#send").click()
     row = session_titled(sm, "Ahoy, who sails", replies=1)
@@ -125,6 +128,8 @@ def test_system_prompt_survives_a_reload_and_the_next_send(browser: Browser,
     expect(page.locator("#chatbot")).to_contain_text("Ahoy, who sails", timeout=20_000)
     open_settings(page)
     expect(page.locator("#system textarea")).to_have_value("You are a pirate.", timeout=20_000)
+    short.fill("16")
+    short.press("Tab")
     page.locator("#message textarea").fill("And where are we going?")
     page.locator("#send").click()
     row = session_titled(sm, "Ahoy, who sails", replies=2)

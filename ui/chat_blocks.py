@@ -45,7 +45,7 @@ def build_chat_blocks(page: ChatPage, concurrency: int) -> gr.Blocks:
                     temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature")
                     top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
                     max_tokens = gr.Slider(16, 2048, value=512, step=16,
-                                           label="Max new tokens")
+                                           label="Max new tokens", elem_id="max-tokens")
 
         turn_outputs = [chatbot, status, box, sid, convos, editing]
         send_inputs = [box, user, sid, editing, system, temperature, top_p, max_tokens, screen]
