@@ -82,8 +82,9 @@ def browser_secret(data_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def build_app(engine: Engine, sessions: SessionManager, config: AppConfig,
-              data_dir: Path) -> tuple[FastAPI, Monitor]:
+def build_app(
+    engine: Engine, sessions: SessionManager, config: AppConfig, data_dir: Path
+) -> tuple[FastAPI, Monitor]:
     """One FastAPI server: API and metrics routes, /admin and the chat page at /."""
     app = FastAPI(title="crowdchat", docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(build_router(engine, sessions, engine.loaded.model_id))
@@ -91,24 +92,43 @@ def build_app(engine: Engine, sessions: SessionManager, config: AppConfig,
     monitor = Monitor(engine, sessions)
     css = [STATIC / "crowdchat.css"]
     if config.admin_password:
-        app = gr.mount_gradio_app(app, build_admin_blocks(monitor, sessions), path="/admin",
-                                  auth=admin_checker(config.admin_password),
-                                  auth_message="crowdchat admin: user 'admin'",
-                                  css_paths=css, theme="soft", show_error=False)
+        app = gr.mount_gradio_app(
+            app,
+            build_admin_blocks(monitor, sessions),
+            path="/admin",
+            auth=admin_checker(config.admin_password),
+            auth_message="crowdchat admin: user 'admin'",
+            css_paths=css,
+            theme="soft",
+            show_error=False,
+        )
     else:
+
         @app.get("/admin")
         @app.get("/admin/{rest:path}")
         def admin_disabled(rest: str = "") -> PlainTextResponse:
-            return PlainTextResponse("the admin page is disabled: start the server with "
-                                     "--admin-password", status_code=404)
-    page = ChatPage(sessions, auth_enabled=config.auth_file is not None,
-                    browser_secret=browser_secret(data_dir))
+            return PlainTextResponse(
+                "the admin page is disabled: start the server with --admin-password",
+                status_code=404,
+            )
+
+    page = ChatPage(
+        sessions, auth_enabled=config.auth_file is not None, browser_secret=browser_secret(data_dir)
+    )
     chat = build_chat_blocks(page, concurrency=engine.config.max_num_seqs)
-    chat.queue(default_concurrency_limit=engine.config.max_num_seqs,
-               max_size=engine.config.max_queue + engine.config.max_num_seqs)
+    chat.queue(
+        default_concurrency_limit=engine.config.max_num_seqs,
+        max_size=engine.config.max_queue + engine.config.max_num_seqs,
+    )
     app = gr.mount_gradio_app(
-        app, chat, path="", css_paths=css, theme="soft", show_error=False,
-        auth=users_checker(config.auth_file) if config.auth_file else None)
+        app,
+        chat,
+        path="",
+        css_paths=css,
+        theme="soft",
+        show_error=False,
+        auth=users_checker(config.auth_file) if config.auth_file else None,
+    )
     return app, monitor
 
 
@@ -144,15 +164,24 @@ def main(argv: list[str] | None = None) -> None:
     except CrowdchatError as e:
         sys.exit(f"crowdchat: {e}")
     s = engine.stats()
-    log.info("model %.1f MB; KV pool %.1f MB = %d blocks x %d tokens (%d tokens, %d bytes/token)",
-             s.model_bytes / 2**20, s.kv_bytes / 2**20, s.blocks_total, s.block_size,
-             s.blocks_total * s.block_size, s.kv_bytes_per_token)
+    log.info(
+        "model %.1f MB; KV pool %.1f MB = %d blocks x %d tokens (%d tokens, %d bytes/token)",
+        s.model_bytes / 2**20,
+        s.kv_bytes / 2**20,
+        s.blocks_total,
+        s.block_size,
+        s.blocks_total * s.block_size,
+        s.kv_bytes_per_token,
+    )
     sessions = SessionManager(engine, session_config, engine_config.data_dir)
     try:
         app, monitor = build_app(engine, sessions, app_config, engine_config.data_dir)
         url = f"http://{app_config.host}:{app_config.port}"
-        print(f"crowdchat: chat on {url}/"
-              + (f" · admin on {url}/admin" if app_config.admin_password else ""), flush=True)
+        print(
+            f"crowdchat: chat on {url}/"
+            + (f" · admin on {url}/admin" if app_config.admin_password else ""),
+            flush=True,
+        )
         uvicorn.run(app, host=app_config.host, port=app_config.port, log_level="warning")
         monitor.stop()
     except CrowdchatError as e:

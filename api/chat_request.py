@@ -12,8 +12,7 @@ from engine import InvalidRequest, SamplingParams
 DEFAULT_MAX_TOKENS = 256
 GREEDY_BELOW = 1e-5  # smaller temperatures overflow the logits; treat them as greedy
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
-ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user",
-                "assistant": "assistant"}
+ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # The engine names its fields differently; its messages should use the names the client sent.
 ENGINE_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
@@ -71,14 +70,20 @@ def _content(m: dict, i: int) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise ApiError("only text content parts ({\"type\": \"text\", \"text\": ...}) "
-                               "are supported", param=f"messages[{i}].content")
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                raise ApiError(
+                    'only text content parts ({"type": "text", "text": ...}) are supported',
+                    param=f"messages[{i}].content",
+                )
             parts.append(part["text"])
         return "\n".join(parts)
-    raise ApiError("message content must be a string or a list of text parts",
-                   param=f"messages[{i}].content")
+    raise ApiError(
+        "message content must be a string or a list of text parts", param=f"messages[{i}].content"
+    )
 
 
 def parse_messages(body: dict) -> list[dict[str, str]]:
@@ -92,8 +97,10 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
             raise ApiError("each message must be an object", param=f"messages[{i}]")
         role = ROLE_ALIASES.get(m.get("role")) if isinstance(m.get("role"), str) else None
         if role is None:
-            raise ApiError(f"message role must be system, user or assistant, got "
-                           f"{m.get('role')!r}"[:200], param=f"messages[{i}].role")
+            raise ApiError(
+                f"message role must be system, user or assistant, got {m.get('role')!r}"[:200],
+                param=f"messages[{i}].role",
+            )
         out.append({"role": role, "content": _content(m, i)})
     return out
 
@@ -105,8 +112,9 @@ def parse_params(body: dict, max_model_len: int) -> SamplingParams:
         raise ApiError("only n=1 is supported", param="n")
     if typed_field(body, "logprobs", "bool"):
         raise ApiError("logprobs are not supported", param="logprobs")
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
+    name = (
+        "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    )
     max_tokens = typed_field(body, name, "integer")
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
@@ -154,5 +162,6 @@ def parse_chat_request(body: dict, max_model_len: int) -> ChatRequest:
     if options is not None and not isinstance(options, dict):
         raise ApiError("stream_options must be an object", param="stream_options")
     include_usage = bool(typed_field(options or {}, "include_usage", "bool"))
-    return ChatRequest(parse_messages(body), parse_params(body, max_model_len), stream,
-                       include_usage)
+    return ChatRequest(
+        parse_messages(body), parse_params(body, max_model_len), stream, include_usage
+    )

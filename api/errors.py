@@ -33,8 +33,14 @@ _MAPPING: tuple[tuple[type[Exception], int, str, str | None], ...] = (
 class ApiError(Exception):
     """A request error the API layer finds itself (bad JSON, a field of the wrong type)."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None, type_: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.param, self.code, self.type = status, param, code, type_
 

@@ -32,8 +32,9 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 
 def _histogram(name: str, doc: str, hist: Histogram) -> HistogramMetricFamily:
-    return HistogramMetricFamily(f"crowdchat_{name}", doc, buckets=hist.cumulative(),
-                                 sum_value=hist.sum)
+    return HistogramMetricFamily(
+        f"crowdchat_{name}", doc, buckets=hist.cumulative(), sum_value=hist.sum
+    )
 
 
 class CrowdchatCollector(Collector):
@@ -46,11 +47,13 @@ class CrowdchatCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.engine.stats()
-        yield _counter("requests_finished", "Requests that ended (stop, length, cancel)",
-                       s.requests_finished)
+        yield _counter(
+            "requests_finished", "Requests that ended (stop, length, cancel)", s.requests_finished
+        )
         yield _counter("requests_failed", "Requests that ended with an error", s.requests_failed)
-        yield _counter("requests_rejected", "Requests refused because the queue was full",
-                       s.requests_rejected)
+        yield _counter(
+            "requests_rejected", "Requests refused because the queue was full", s.requests_rejected
+        )
         yield _counter("prompt_tokens", "Prompt tokens prefilled", s.prompt_tokens_total)
         yield _counter("generated_tokens", "Tokens generated", s.generated_tokens_total)
         yield _counter("preemptions", "Running requests preempted for KV space", s.preemptions)
@@ -59,12 +62,15 @@ class CrowdchatCollector(Collector):
         yield _gauge("kv_blocks_used", "KV pool blocks in use", s.blocks_used)
         yield _gauge("kv_blocks_free", "KV pool blocks free", s.blocks_free)
         yield _gauge("kv_blocks_total", "KV pool blocks in all", s.blocks_total)
-        yield _gauge("tokens_per_second", "Generated tokens per second, recent window",
-                     s.tokens_per_s)
-        yield _gauge("resident_sessions", "Sessions whose KV is resident in the pool",
-                     s.resident_owners)
-        yield _gauge("engine_up", "1 while the engine thread serves, 0 once it failed",
-                     1 if s.alive else 0)
+        yield _gauge(
+            "tokens_per_second", "Generated tokens per second, recent window", s.tokens_per_s
+        )
+        yield _gauge(
+            "resident_sessions", "Sessions whose KV is resident in the pool", s.resident_owners
+        )
+        yield _gauge(
+            "engine_up", "1 while the engine thread serves, 0 once it failed", 1 if s.alive else 0
+        )
         m = self.engine.metrics
         with m.lock:  # a consistent histogram: buckets and sum from the same moment
             ttft = _histogram("ttft_seconds", "Time to first token", m.ttft_hist)
@@ -80,28 +86,44 @@ class CrowdchatCollector(Collector):
         for state in (*known, *sorted(set(st.states) - set(known))):
             by_state.add_metric([state], st.states.get(state, 0))
         yield by_state
-        restores = CounterMetricFamily("crowdchat_session_restores",
-                                       "Session KV restored into the pool, by source",
-                                       labels=["source"])
+        restores = CounterMetricFamily(
+            "crowdchat_session_restores",
+            "Session KV restored into the pool, by source",
+            labels=["source"],
+        )
         for source, n in sorted(st.restores.items()):
             restores.add_metric([source], n)
         yield restores
         yield _counter("session_persists", "Session KV snapshots written to disk", st.persists)
-        yield _counter("session_persist_failures", "Session KV snapshots that failed to write",
-                       st.persist_failures)
-        yield _counter("session_evictions", "Idle sessions moved out of a full pool",
-                       st.evictions)
-        yield _counter("session_recomputes", "Turns that recomputed a lost KV prefix",
-                       st.recomputes)
-        yield _counter("session_restore_errors",
-                       "Restores that failed unexpectedly (the session recomputed)",
-                       st.restore_errors)
-        yield _gauge("session_persist_backoff",
-                     "Sessions waiting to retry a failed snapshot write", len(st.persist_backoff))
-        yield _gauge("kv_writer_up", "1 while the KV writer thread is healthy",
-                     1 if st.kv_writer_healthy else 0)
-        yield _counter("kv_writer_restarts", "Times the KV writer thread crashed and restarted",
-                       st.kv_writer_restarts)
+        yield _counter(
+            "session_persist_failures",
+            "Session KV snapshots that failed to write",
+            st.persist_failures,
+        )
+        yield _counter("session_evictions", "Idle sessions moved out of a full pool", st.evictions)
+        yield _counter(
+            "session_recomputes", "Turns that recomputed a lost KV prefix", st.recomputes
+        )
+        yield _counter(
+            "session_restore_errors",
+            "Restores that failed unexpectedly (the session recomputed)",
+            st.restore_errors,
+        )
+        yield _gauge(
+            "session_persist_backoff",
+            "Sessions waiting to retry a failed snapshot write",
+            len(st.persist_backoff),
+        )
+        yield _gauge(
+            "kv_writer_up",
+            "1 while the KV writer thread is healthy",
+            1 if st.kv_writer_healthy else 0,
+        )
+        yield _counter(
+            "kv_writer_restarts",
+            "Times the KV writer thread crashed and restarted",
+            st.kv_writer_restarts,
+        )
 
 
 def health_problems(engine: Engine, sessions: SessionManager) -> list[str]:
@@ -111,8 +133,10 @@ def health_problems(engine: Engine, sessions: SessionManager) -> list[str]:
     if not s.alive:
         problems.append(s.failure or "the engine has stopped")
     if not sessions.stats().kv_writer_healthy:
-        problems.append("the KV writer thread keeps crashing: evicted sessions' KV is not "
-                        "being written to disk (see the log)")
+        problems.append(
+            "the KV writer thread keeps crashing: evicted sessions' KV is not "
+            "being written to disk (see the log)"
+        )
     return problems
 
 
@@ -132,7 +156,9 @@ def build_metrics_router(engine: Engine, sessions: SessionManager) -> APIRouter:
     def health() -> Response:
         """200 while every background part serves; 503 with the reasons otherwise."""
         problems = health_problems(engine, sessions)
-        return JSONResponse({"status": "unhealthy" if problems else "ok",
-                             "problems": problems}, status_code=503 if problems else 200)
+        return JSONResponse(
+            {"status": "unhealthy" if problems else "ok", "problems": problems},
+            status_code=503 if problems else 200,
+        )
 
     return router

@@ -36,8 +36,11 @@ def owner_of(request: Request) -> str:
 
 def _usage(reply: Reply) -> dict:
     prompt, completion = reply.num_prompt_tokens, reply.num_generated_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 def _finish_reason(reply: Reply) -> str:
@@ -68,14 +71,28 @@ def build_router(engine: Engine, sessions: SessionManager, model_name: str) -> A
         last = req.messages[-1]
         if last["role"] != "user":
             sessions.get_session(owner, sid)  # an unknown session is a 404 before a 400
-            raise ApiError("with X-Session-Id the last message must be the user's new message "
-                           "(the server keeps the history)", param="messages")
+            raise ApiError(
+                "with X-Session-Id the last message must be the user's new message "
+                "(the server keeps the history)",
+                param="messages",
+            )
         return sessions.chat(owner, sid, last["content"], req.params)
 
     @router.get("/v1/models")
     async def list_models() -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": started, "owned_by": "crowdchat"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": model_name,
+                        "object": "model",
+                        "created": started,
+                        "owned_by": "crowdchat",
+                    }
+                ],
+            }
+        )
 
     @router.post("/v1/sessions")
     async def create_session(request: Request) -> Response:
@@ -83,20 +100,22 @@ def build_router(engine: Engine, sessions: SessionManager, model_name: str) -> A
             body = parse_json_object(await request.body(), required=False)
             title = typed_field(body, "title", "str") or ""
             system_prompt = typed_field(body, "system_prompt", "str") or ""
-            row = await asyncio.to_thread(sessions.create_session, owner_of(request), title,
-                                          system_prompt)
+            row = await asyncio.to_thread(
+                sessions.create_session, owner_of(request), title, system_prompt
+            )
         except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style body
             return error_response(e)
-        return JSONResponse({"id": row["id"], "object": "session",
-                             "created": int(row.get("created", time.time()))})
+        return JSONResponse(
+            {"id": row["id"], "object": "session", "created": int(row.get("created", time.time()))}
+        )
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         try:
-            req = parse_chat_request(parse_json_object(await request.body()),
-                                     engine.max_model_len)
-            source = await asyncio.to_thread(start, owner_of(request),
-                                             request.headers.get("x-session-id"), req)
+            req = parse_chat_request(parse_json_object(await request.body()), engine.max_model_len)
+            source = await asyncio.to_thread(
+                start, owner_of(request), request.headers.get("x-session-id"), req
+            )
         except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style body
             return error_response(e)
         stream = DeltaStream(source, source.cancel, "crowdchat-api-reply")
@@ -109,8 +128,9 @@ def build_router(engine: Engine, sessions: SessionManager, model_name: str) -> A
     return router
 
 
-async def _respond(request: Request, req: ChatRequest, source: Reply,
-                   stream: DeltaStream, model_name: str) -> Response:
+async def _respond(
+    request: Request, req: ChatRequest, source: Reply, stream: DeltaStream, model_name: str
+) -> Response:
     """The whole reply (non-streaming) or an SSE response, once the first event is known."""
     # Wait for the first token before answering, so that errors found on the way
     # (a full queue, a failed restore) still get their own HTTP status.
@@ -119,15 +139,19 @@ async def _respond(request: Request, req: ChatRequest, source: Reply,
         return Response(status_code=CLIENT_GONE)
     if isinstance(first, Failed):
         return error_response(first.error)
-    meta = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()),
-            "model": model_name}
+    meta = {
+        "id": f"chatcmpl-{secrets.token_hex(12)}",
+        "created": int(time.time()),
+        "model": model_name,
+    }
     # where a session's KV came from this turn: resident, host, disk or cold (recomputed)
     kv = {} if source.restored_from is None else {"X-Crowdchat-KV": source.restored_from}
     if req.stream:
         return StreamingResponse(
             _sse(stream, first, source, meta, req.include_usage),
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **kv})
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **kv},
+        )
     parts, event = [], first
     while not isinstance(event, End):
         if event is None:
@@ -136,20 +160,31 @@ async def _respond(request: Request, req: ChatRequest, source: Reply,
             return error_response(event.error)
         parts.append(event.text)
         event = await _next_or_gone(stream, request)
-    return JSONResponse({
-        **meta, "object": "chat.completion",
-        "choices": [{"index": 0, "logprobs": None, "finish_reason": _finish_reason(source),
-                     "message": {"role": "assistant", "content": "".join(parts)}}],
-        "usage": _usage(source),
-    }, headers=kv)
+    return JSONResponse(
+        {
+            **meta,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "logprobs": None,
+                    "finish_reason": _finish_reason(source),
+                    "message": {"role": "assistant", "content": "".join(parts)},
+                }
+            ],
+            "usage": _usage(source),
+        },
+        headers=kv,
+    )
 
 
 def _data(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _sse(stream: DeltaStream, first: Event, source: Reply, meta: dict,
-               include_usage: bool) -> AsyncIterator[str]:
+async def _sse(
+    stream: DeltaStream, first: Event, source: Reply, meta: dict, include_usage: bool
+) -> AsyncIterator[str]:
     """Server-sent events: role chunk, content chunks, finish chunk, usage chunk, [DONE].
 
     If the client disconnects, Starlette cancels this generator at its `await`, and the
@@ -158,8 +193,16 @@ async def _sse(stream: DeltaStream, first: Event, source: Reply, meta: dict,
     extra = {"usage": None} if include_usage else {}
 
     def chunk(delta: dict, finish: str | None = None) -> str:
-        return _data({**meta, "object": "chat.completion.chunk", **extra, "choices": [
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+        return _data(
+            {
+                **meta,
+                "object": "chat.completion.chunk",
+                **extra,
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                ],
+            }
+        )
 
     try:
         yield chunk({"role": "assistant", "content": ""})
@@ -178,8 +221,14 @@ async def _sse(stream: DeltaStream, first: Event, source: Reply, meta: dict,
         else:
             yield chunk({}, _finish_reason(source))
             if include_usage:
-                yield _data({**meta, "object": "chat.completion.chunk", "choices": [],
-                             "usage": _usage(source)})
+                yield _data(
+                    {
+                        **meta,
+                        "object": "chat.completion.chunk",
+                        "choices": [],
+                        "usage": _usage(source),
+                    }
+                )
         yield _data("[DONE]")
     finally:
         stream.cancel()

@@ -22,9 +22,9 @@ class DeltaStream:
         self._cancelled = threading.Event()
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._thread = threading.Thread(target=relay,
-                                        args=(reply, self._put, self._cancelled.is_set),
-                                        name=name, daemon=True)
+        self._thread = threading.Thread(
+            target=relay, args=(reply, self._put, self._cancelled.is_set), name=name, daemon=True
+        )
         self._thread.start()
 
     async def next(self) -> Event:

@@ -29,9 +29,10 @@ def measure(loaded: LoadedModel, config: EngineConfig, long_tokens: int) -> dict
     engine = Engine(config, loaded)
     try:
         chat = make_prompts(loaded, 8, 100)
-        long_ids = loaded.tokenizer.encode(TEXT * (long_tokens // 150 + 2),
-                                           add_special_tokens=False)
-        longs = [long_ids[i * 7: i * 7 + long_tokens] for i in range(4)]
+        long_ids = loaded.tokenizer.encode(
+            TEXT * (long_tokens // 150 + 2), add_special_tokens=False
+        )
+        longs = [long_ids[i * 7 : i * 7 + long_tokens] for i in range(4)]
         engine.generate(chat[:2], SamplingParams(temperature=0, max_new_tokens=4))  # warm-up
         stamps: list[list[float]] = [[] for _ in chat]
 
@@ -40,15 +41,16 @@ def measure(loaded: LoadedModel, config: EngineConfig, long_tokens: int) -> dict
                 stamps[i].append(time.perf_counter())
 
         steady = SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True)
-        threads = [threading.Thread(target=consume, args=(i, engine.submit(p, steady)))
-                   for i, p in enumerate(chat)]
+        threads = [
+            threading.Thread(target=consume, args=(i, engine.submit(p, steady)))
+            for i, p in enumerate(chat)
+        ]
         for t in threads:
             t.start()
         while min(len(s) for s in stamps) < 10:
             time.sleep(0.01)
         t0 = time.perf_counter()
-        burst = [engine.submit(p, SamplingParams(temperature=0, max_new_tokens=8))
-                 for p in longs]
+        burst = [engine.submit(p, SamplingParams(temperature=0, max_new_tokens=8)) for p in longs]
         firsts = []
         for h in burst:
             next(iter(h))
@@ -85,14 +87,19 @@ def main() -> None:
     print(json.dumps(fixed), flush=True)
     aware = measure(loaded, replace(config, target_itl_ms=args.target), args.long_tokens)
     print(json.dumps(aware), flush=True)
-    print(json.dumps({
-        "fixed_budget_gap_p95_ms": fixed["gap_p95_ms"], "fixed_budget_gap_max_ms":
-        fixed["gap_max_ms"], "target_itl_ms": args.target,
-        "latency_aware_gap_p95_ms": aware["gap_p95_ms"],
-        "latency_aware_gap_max_ms": aware["gap_max_ms"],
-        "fixed_long_ttft_max_s": fixed["long_prompt_ttft_max_s"],
-        "latency_aware_long_ttft_max_s": aware["long_prompt_ttft_max_s"],
-    }))
+    print(
+        json.dumps(
+            {
+                "fixed_budget_gap_p95_ms": fixed["gap_p95_ms"],
+                "fixed_budget_gap_max_ms": fixed["gap_max_ms"],
+                "target_itl_ms": args.target,
+                "latency_aware_gap_p95_ms": aware["gap_p95_ms"],
+                "latency_aware_gap_max_ms": aware["gap_max_ms"],
+                "fixed_long_ttft_max_s": fixed["long_prompt_ttft_max_s"],
+                "latency_aware_long_ttft_max_s": aware["long_prompt_ttft_max_s"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

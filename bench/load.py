@@ -27,9 +27,14 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
-QUESTIONS = ["Tell me about the history of the bicycle.", "What makes a good cup of tea?",
-             "Describe a walk through a forest in autumn.", "How do airplanes stay in the air?",
-             "Write a short story about a lighthouse keeper.", "Explain how rain forms."]
+QUESTIONS = [
+    "Tell me about the history of the bicycle.",
+    "What makes a good cup of tea?",
+    "Describe a walk through a forest in autumn.",
+    "How do airplanes stay in the air?",
+    "Write a short story about a lighthouse keeper.",
+    "Explain how rain forms.",
+]
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -53,8 +58,19 @@ class Server:
         port = free_port()
         data = tempfile.mkdtemp(prefix="crowdchat-load-")
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--data-dir", data,
-             *server_args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                sys.executable,
+                str(ROOT / "app.py"),
+                "--port",
+                str(port),
+                "--data-dir",
+                data,
+                *server_args,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self.base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 300
         while time.time() < deadline:
@@ -75,9 +91,11 @@ class Server:
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                key = s.name + ("" if not s.labels else
-                                "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                                + "}")
+                key = s.name + (
+                    ""
+                    if not s.labels
+                    else "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
+                )
                 out[key] = s.value
         return out
 
@@ -99,12 +117,19 @@ class Stats:
         self.user_rates: list[float] = []
 
 
-async def one_turn(http: httpx.AsyncClient, key: str, sid: str, text: str, new_tokens: int,
-                   stats: Stats) -> int:
+async def one_turn(
+    http: httpx.AsyncClient, key: str, sid: str, text: str, new_tokens: int, stats: Stats
+) -> int:
     """Send one message, stream the reply; returns the tokens generated."""
-    body = {"messages": [{"role": "user", "content": text}], "stream": True,
-            "max_tokens": new_tokens, "min_tokens": new_tokens, "ignore_eos": True,
-            "temperature": 0.8, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": [{"role": "user", "content": text}],
+        "stream": True,
+        "max_tokens": new_tokens,
+        "min_tokens": new_tokens,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "stream_options": {"include_usage": True},
+    }
     headers = {"Authorization": f"Bearer {key}", "X-Session-Id": sid}
     t0 = time.perf_counter()
     first = None
@@ -133,8 +158,14 @@ async def one_turn(http: httpx.AsyncClient, key: str, sid: str, text: str, new_t
     return tokens
 
 
-async def user(http: httpx.AsyncClient, turns: int, new_tokens: int, think: tuple[float, float],
-               stats: Stats, until: float | None = None) -> None:
+async def user(
+    http: httpx.AsyncClient,
+    turns: int,
+    new_tokens: int,
+    think: tuple[float, float],
+    stats: Stats,
+    until: float | None = None,
+) -> None:
     key = secrets.token_hex(8)
     made = await http.post("/v1/sessions", headers={"Authorization": f"Bearer {key}"})
     sid = made.json()["id"]
@@ -146,16 +177,23 @@ async def user(http: httpx.AsyncClient, turns: int, new_tokens: int, think: tupl
             stats.errors[type(e).__name__] += 1
         n += 1
         if until is not None and n % 4 == 0:  # soak: fresh conversations, bounded contexts
-            sid = (await http.post("/v1/sessions",
-                                   headers={"Authorization": f"Bearer {key}"})).json()["id"]
+            sid = (
+                await http.post("/v1/sessions", headers={"Authorization": f"Bearer {key}"})
+            ).json()["id"]
         if think[1] > 0 and (until is None and n < turns or until is not None):
             await asyncio.sleep(random.uniform(*think))
     stats.user_rates.append(mine / max(time.perf_counter() - started, 1e-6))
 
 
-async def run_point(server: Server, users: int, turns: int, new_tokens: int,
-                    think: tuple[float, float], until: float | None = None,
-                    rss_every: float = 0.0) -> dict:
+async def run_point(
+    server: Server,
+    users: int,
+    turns: int,
+    new_tokens: int,
+    think: tuple[float, float],
+    until: float | None = None,
+    rss_every: float = 0.0,
+) -> dict:
     stats = Stats()
     before = server.metrics()
     peak = {"rss": server.rss_mb() or 0.0, "blocks": 0.0}
@@ -169,16 +207,18 @@ async def run_point(server: Server, users: int, turns: int, new_tokens: int,
                 series.append((round(now), round(server.rss_mb() or 0.0, 1)))
                 print(json.dumps({"t_s": series[-1][0], "rss_mb": series[-1][1]}), flush=True)
             peak["rss"] = max(peak["rss"], server.rss_mb() or 0.0)
-            peak["blocks"] = max(peak["blocks"],
-                                 server.metrics().get("crowdchat_kv_blocks_used", 0))
+            peak["blocks"] = max(
+                peak["blocks"], server.metrics().get("crowdchat_kv_blocks_used", 0)
+            )
             await asyncio.sleep(1.0)
 
     limits = httpx.Limits(max_connections=users + 8, max_keepalive_connections=users + 8)
     async with httpx.AsyncClient(base_url=server.base, timeout=600, limits=limits) as http:
         watcher = asyncio.create_task(watch())
         t0 = time.perf_counter()
-        await asyncio.gather(*(user(http, turns, new_tokens, think, stats, until)
-                               for _ in range(users)))
+        await asyncio.gather(
+            *(user(http, turns, new_tokens, think, stats, until) for _ in range(users))
+        )
         wall = time.perf_counter() - t0
         watcher.cancel()
     after = server.metrics()
@@ -187,14 +227,18 @@ async def run_point(server: Server, users: int, turns: int, new_tokens: int,
         return sum(v - before.get(k, 0) for k, v in after.items() if k.startswith(prefix))
 
     return {
-        "users": users, "wall_s": round(wall, 2), "tokens": stats.tokens,
+        "users": users,
+        "wall_s": round(wall, 2),
+        "tokens": stats.tokens,
         "tokens_per_s": round(stats.tokens / wall, 2),
         "per_user_tokens_per_s": round(float(np.mean(stats.user_rates)), 2),
-        "ttft_p50_s": pct(stats.ttft, 50), "ttft_p95_s": pct(stats.ttft, 95),
+        "ttft_p50_s": pct(stats.ttft, 50),
+        "ttft_p95_s": pct(stats.ttft, 95),
         "ttft_p99_s": pct(stats.ttft, 99),
         "ttft_p50_by_kv_s": {k: pct(v, 50) for k, v in stats.ttft_by_kv.items()},
         "turns_by_kv": {k: len(v) for k, v in stats.ttft_by_kv.items()},
-        "errors": dict(stats.errors), "peak_rss_mb": round(peak["rss"], 1),
+        "errors": dict(stats.errors),
+        "peak_rss_mb": round(peak["rss"], 1),
         "rss_series_mb": series,
         "kv_blocks_peak": peak["blocks"],
         "persists": delta("crowdchat_session_persists_total"),
@@ -212,10 +256,17 @@ def main() -> None:
     ap.add_argument("--think", default="0,0", help="seconds between turns: MIN,MAX (e.g. 5,30)")
     ap.add_argument("--soak-seconds", type=float, default=0)
     ap.add_argument("--soak-users", type=int, default=16)
-    ap.add_argument("--rss-every", type=float, default=300.0,
-                    help="during the soak, print the server's RSS every this many seconds")
-    ap.add_argument("--server-args", default="",
-                    help="flags for the crowdchat it starts, e.g. '--idle-seconds 3'")
+    ap.add_argument(
+        "--rss-every",
+        type=float,
+        default=300.0,
+        help="during the soak, print the server's RSS every this many seconds",
+    )
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help="flags for the crowdchat it starts, e.g. '--idle-seconds 3'",
+    )
     args = ap.parse_args()
     think = tuple(float(x) for x in args.think.split(","))
     server = Server(args.base, args.server_args.split())
@@ -228,26 +279,40 @@ def main() -> None:
             print(json.dumps(points[n]), flush=True)
             summary[f"users_{n}_tokens_per_s"] = points[n]["tokens_per_s"]
             summary[f"users_{n}_ttft_p50_s"] = points[n]["ttft_p50_s"]
-        errors = sum(c for p in points.values() for k, c in p["errors"].items()
-                     if k != "http_429")
+        errors = sum(c for p in points.values() for k, c in p["errors"].items() if k != "http_429")
         if 1 in points and 32 in points:
-            summary["ratio_32_vs_1"] = round(points[32]["tokens_per_s"]
-                                             / points[1]["tokens_per_s"], 2)
+            summary["ratio_32_vs_1"] = round(
+                points[32]["tokens_per_s"] / points[1]["tokens_per_s"], 2
+            )
         summary["errors"] = errors
         summary["rejected_429"] = sum(p["errors"].get("http_429", 0) for p in points.values())
         summary["restores"] = sum(p["restores"] for p in points.values())
         summary["persists"] = sum(p["persists"] for p in points.values())
         if args.soak_seconds > 0:
             start_rss = server.rss_mb()
-            soak = asyncio.run(run_point(server, args.soak_users, 0, args.new_tokens, think,
-                                         until=time.perf_counter() + args.soak_seconds,
-                                         rss_every=args.rss_every))
+            soak = asyncio.run(
+                run_point(
+                    server,
+                    args.soak_users,
+                    0,
+                    args.new_tokens,
+                    think,
+                    until=time.perf_counter() + args.soak_seconds,
+                    rss_every=args.rss_every,
+                )
+            )
             end_rss = server.rss_mb()
-            soak.update({"soak_seconds": args.soak_seconds, "rss_start_mb": start_rss,
-                         "rss_end_mb": end_rss})
+            soak.update(
+                {
+                    "soak_seconds": args.soak_seconds,
+                    "rss_start_mb": start_rss,
+                    "rss_end_mb": end_rss,
+                }
+            )
             print(json.dumps({"soak": soak}), flush=True)
-            summary["errors"] = errors + sum(c for k, c in soak["errors"].items()
-                                             if k != "http_429")
+            summary["errors"] = errors + sum(
+                c for k, c in soak["errors"].items() if k != "http_429"
+            )
             if start_rss is not None and end_rss is not None:
                 summary["rss_growth_mb"] = round(end_rss - start_rss, 1)
     finally:

@@ -72,8 +72,9 @@ def main() -> None:
             for _ in range(args.repeats):
                 sids = {m: sm.create_session("bench")["id"] for m in times}
                 for sid in sids.values():
-                    sm.chat("bench", sid, text, SamplingParams(temperature=0,
-                                                               max_new_tokens=16)).result()
+                    sm.chat(
+                        "bench", sid, text, SamplingParams(temperature=0, max_new_tokens=16)
+                    ).result()
                 tokens = engine.resident_kv()[sids["resident"]][0]
                 assert sm.persist_now(sids["restore"])
                 path = sm.files.path(sids["restore"])
@@ -102,9 +103,14 @@ def main() -> None:
                 "restore_mb_per_s": round(snap_bytes / 2**20 / statistics.median(load_s), 1),
             }
             print(json.dumps(row), flush=True)
-            for key in ("resident_ttft_s", "restore_ttft_s", "recompute_ttft_s",
-                        "restore_over_recompute", "snapshot_bytes_per_token",
-                        "restore_mb_per_s"):
+            for key in (
+                "resident_ttft_s",
+                "restore_ttft_s",
+                "recompute_ttft_s",
+                "restore_over_recompute",
+                "snapshot_bytes_per_token",
+                "restore_mb_per_s",
+            ):
                 summary[f"{key}_{n}"] = row[key]
     finally:
         sm.shutdown()

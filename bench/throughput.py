@@ -42,7 +42,7 @@ TEXT = (
 def make_prompts(loaded: LoadedModel, n: int, length: int) -> list[list[int]]:
     """`n` distinct prompts of exactly `length` tokens (windows over a long text)."""
     ids = loaded.tokenizer.encode(TEXT * 4, add_special_tokens=False)
-    return [ids[i * 3: i * 3 + length] for i in range(n)]
+    return [ids[i * 3 : i * 3 + length] for i in range(n)]
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -60,10 +60,14 @@ def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dic
     tokens = sum(h.num_generated_tokens for h in handles)
     m = engine.metrics
     return {
-        "users": len(prompts), "tokens": tokens, "wall_s": round(wall, 3),
+        "users": len(prompts),
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens / wall, 2),
-        "ttft_p50_s": pct(list(m.ttft), 50), "ttft_p95_s": pct(list(m.ttft), 95),
-        "itl_p50_s": pct(list(m.itl), 50), "itl_p95_s": pct(list(m.itl), 95),
+        "ttft_p50_s": pct(list(m.ttft), 50),
+        "ttft_p95_s": pct(list(m.ttft), 95),
+        "itl_p50_s": pct(list(m.itl), 50),
+        "itl_p95_s": pct(list(m.itl), 95),
         "max_batch": m.max_batch,
     }
 
@@ -77,8 +81,13 @@ def run_generate(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int)
         tok.pad_token = tok.eos_token
     batch = tok.pad({"input_ids": prompts}, return_tensors="pt").to(loaded.device)
     t0 = time.perf_counter()
-    out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, pad_token_id=tok.pad_token_id)
+    out = model.generate(
+        **batch,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id,
+    )
     wall = time.perf_counter() - t0
     assert out.shape[1] - batch["input_ids"].shape[1] == new_tokens
     return len(prompts) * new_tokens / wall
@@ -90,8 +99,12 @@ def main() -> None:
     ap.add_argument("--users", default="1,8,16,32")
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--sequential-requests", type=int, default=4,
-                    help="requests the sequential baseline runs one by one")
+    ap.add_argument(
+        "--sequential-requests",
+        type=int,
+        default=4,
+        help="requests the sequential baseline runs one by one",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     config = EngineConfig.from_namespace(args)
@@ -103,8 +116,9 @@ def main() -> None:
     def baselines() -> tuple[float, float]:
         loaded.model.set_attn_implementation("sdpa")
         run_generate(loaded, prompts[:2], 4)  # warm-up
-        seq_tps = [run_generate(loaded, [p], args.new_tokens)
-                   for p in prompts[: args.sequential_requests]]
+        seq_tps = [
+            run_generate(loaded, [p], args.new_tokens) for p in prompts[: args.sequential_requests]
+        ]
         return float(np.mean(seq_tps)), run_generate(loaded, prompts[:32], args.new_tokens)
 
     # Same thread treatment as the engine: torch runs on a thread of its own (engine.threads).
@@ -125,7 +139,8 @@ def main() -> None:
     summary = {
         "device": str(loaded.device),
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
-        "quant": config.quant, "dtype": str(loaded.dtype).removeprefix("torch."),
+        "quant": config.quant,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
         **{f"users_{n}_tokens_per_s": p["tokens_per_s"] for n, p in points.items()},
         "sequential_tokens_per_s": round(sequential, 2),
         "static_batch_32_tokens_per_s": round(static, 2),

@@ -20,7 +20,19 @@ from engine.sequence import FinishReason, SamplingParams
 
 # What the rest of crowdchat may use; everything else in engine/ is the engine's own.
 __all__ = [
-    "CrowdchatError", "Engine", "EngineConfig", "EngineStats", "EngineStopped", "FinishReason",
-    "InvalidRequest", "KVExport", "ModelLoadError", "PromptTooLong", "RequestFailed",
-    "RequestHandle", "SamplingParams", "ServerBusy", "StepRunner",
+    "CrowdchatError",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "EngineStopped",
+    "FinishReason",
+    "InvalidRequest",
+    "KVExport",
+    "ModelLoadError",
+    "PromptTooLong",
+    "RequestFailed",
+    "RequestHandle",
+    "SamplingParams",
+    "ServerBusy",
+    "StepRunner",
 ]

@@ -73,17 +73,19 @@ def paged_attention(
         v = vc.view(hkv, -1, bs, d).index_select(1, blocks).view(hkv, b, nblk * bs, d)
         out[:b] = _decode_attention(query[0, :, :b], k, v, meta.decode_pad, scaling)
     for c in meta.prefills:
-        q = query[:, :, c.start:c.end]  # [1, H, n, D]
+        q = query[:, :, c.start : c.end]  # [1, H, n, D]
         if c.context_slots is None:
-            k, v = key[:, :, c.start:c.end], value[:, :, c.start:c.end]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
-                                               enable_gqa=True)
+            k, v = key[:, :, c.start : c.end], value[:, :, c.start : c.end]
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scaling, enable_gqa=True
+            )
         else:
             k = kc.index_select(1, c.context_slots).unsqueeze(0)  # [1, H_kv, L, D]
             v = vc.index_select(1, c.context_slots).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, scale=scaling,
-                                               enable_gqa=True)
-        out[c.start:c.end] = o[0].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=c.mask, scale=scaling, enable_gqa=True
+            )
+        out[c.start : c.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
 
@@ -103,8 +105,9 @@ def _decode_attention(
     hkv = k.shape[0]
     q = query.reshape(hkv, h // hkv, b, d).transpose(1, 2)  # [H_kv, B, G, D]
     scores = torch.matmul(q, k.transpose(-1, -2))  # [H_kv, B, G, Lmax]
-    scores = scores.float().mul_(scaling or d**-0.5).masked_fill_(pad[None, :, None, :],
-                                                                  float("-inf"))
+    scores = (
+        scores.float().mul_(scaling or d**-0.5).masked_fill_(pad[None, :, None, :], float("-inf"))
+    )
     probs = scores.softmax(-1).to(v.dtype)
     out = torch.matmul(probs, v)  # [H_kv, B, G, D]
     return out.permute(1, 0, 2, 3).reshape(b, h, d)

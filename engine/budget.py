@@ -48,8 +48,7 @@ class StepTimer:
                 self._fit = (float(coef[0]), max(float(coef[1]), 1e-6), max(float(coef[2]), 0.0))
         return self._fit
 
-    def budget(self, decodes: int = 0, decode_work: float = 0.0,
-               prefill_context: int = 0) -> int:
+    def budget(self, decodes: int = 0, decode_work: float = 0.0, prefill_context: int = 0) -> int:
         """Tokens for the next step (decodes included) that keep it under the target, given
         the decodes it must run and the context the next prefill chunk starts from."""
         fit = self.fit() if self.target_ms is not None else None
@@ -84,8 +83,11 @@ class TokenBudget:
         running = scheduler.running
         decodes = [s for s in running if s.num_uncomputed == 1]
         pending = [s for s in running if s.num_uncomputed > 1] or list(scheduler.waiting)
-        self.last = self.timer.budget(len(decodes), sum(s.num_computed + 1 for s in decodes),
-                                      pending[0].num_computed if pending else 0)
+        self.last = self.timer.budget(
+            len(decodes),
+            sum(s.num_computed + 1 for s in decodes),
+            pending[0].num_computed if pending else 0,
+        )
         return self.last
 
     def record(self, plan: StepPlan, ms: float) -> None:

@@ -24,8 +24,9 @@ class ChatFormatter:
             raise InvalidRequest("the model's tokenizer has no chat template")
         self.tokenizer = tokenizer
 
-    def encode(self, messages: list[dict[str, str]],
-               add_generation_prompt: bool = True) -> list[int]:
+    def encode(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of `messages` rendered by the chat template.
 
         Raises:
@@ -53,6 +54,7 @@ class ChatFormatter:
                 ids += self.tokenizer.encode(part, add_special_tokens=False)
             else:
                 text = contents[int(part)]
-                ids += self.tokenizer.encode(text, add_special_tokens=False,
-                                             split_special_tokens=True)
+                ids += self.tokenizer.encode(
+                    text, add_special_tokens=False, split_special_tokens=True
+                )
         return ids

@@ -15,8 +15,9 @@ class IncrementalDetokenizer:
     is still being typed never reaches the user.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int],
-                 stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], stop: tuple[str, ...] = ()
+    ) -> None:
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -33,10 +34,10 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one generated token; return the newly showable text ('' if none yet)."""
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new = full[len(prefix):]
+            new = full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             start = max(0, len(self.text) - self.hold)
             self.text += new
@@ -55,6 +56,6 @@ class IncrementalDetokenizer:
     def _take(self, end: int) -> str:
         if end <= self.emitted:
             return ""
-        out = self.text[self.emitted:end]
+        out = self.text[self.emitted : end]
         self.emitted = end
         return out

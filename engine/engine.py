@@ -45,21 +45,27 @@ class Engine:
     pass a fake to drive the real scheduler, pool and loop without a model.
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 runner: RunnerFactory = ModelRunner) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        runner: RunnerFactory = ModelRunner,
+    ) -> None:
         self.config = config
         self.loaded = loaded or load_model(config)
         self.tokenizer = self.loaded.tokenizer
         self.kv_bytes_per_token = bytes_per_token(self.loaded)
         num_blocks = pool_blocks(config, self.loaded)
         # zero-filling is an OpenMP region: keep it off the caller's thread (engine.threads)
-        self.cache = run_in_fresh_thread(lambda: KVCache(self.loaded, num_blocks,
-                                                         config.block_size))
+        self.cache = run_in_fresh_thread(
+            lambda: KVCache(self.loaded, num_blocks, config.block_size)
+        )
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs)
         self.runner = runner(self.loaded, self.cache)
-        self.max_model_len = min(config.max_model_len or self.loaded.max_position,
-                                 num_blocks * config.block_size)
+        self.max_model_len = min(
+            config.max_model_len or self.loaded.max_position, num_blocks * config.block_size
+        )
         self.vocab_size = self.loaded.model.config.vocab_size
         self.metrics = Metrics()
         self.budget = TokenBudget(config.max_num_batched_tokens, config.target_itl_ms)
@@ -68,23 +74,34 @@ class Engine:
         self._stopping = False
         self._failure: str | None = None  # why the engine thread died, if it did
         self._inbox_closed = False  # the thread has drained its inbox for the last time
-        self.output = OutputProcessor(self.scheduler, self.metrics, self.runner.stop_ids,
-                                      self.max_model_len, self._left_queue)
+        self.output = OutputProcessor(
+            self.scheduler, self.metrics, self.runner.stop_ids, self.max_model_len, self._left_queue
+        )
         self._inbox: queue.Queue[Message] = queue.Queue()
         # Published by the engine thread after each step, read by stats() from any thread.
         self._gauges: tuple[int, int, int] = (0, 0, 0)
         self._queue_positions: dict[int, int] = {}
         self._running_ids: frozenset[int] = frozenset()
-        log.info("KV pool: %d blocks x %d tokens = %d tokens, %.1f MB (%d bytes/token); "
-                 "model %.1f MB", num_blocks, config.block_size, num_blocks * config.block_size,
-                 self.cache.nbytes / 2**20, self.kv_bytes_per_token,
-                 self.loaded.model_bytes / 2**20)
+        log.info(
+            "KV pool: %d blocks x %d tokens = %d tokens, %.1f MB (%d bytes/token); model %.1f MB",
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+            self.cache.nbytes / 2**20,
+            self.kv_bytes_per_token,
+            self.loaded.model_bytes / 2**20,
+        )
         self._thread = threading.Thread(target=self._loop, name="crowdchat-engine", daemon=True)
         self._thread.start()
 
     # -- public API, any thread ---------------------------------------------------------
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-               owner: str | None = None, retain: bool = False) -> RequestHandle:
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        owner: str | None = None,
+        retain: bool = False,
+    ) -> RequestHandle:
         """Queue a request; stream its reply from the returned handle.
 
         `owner` names whose resident KV the prompt may reuse; with `retain` the KV stays
@@ -104,14 +121,17 @@ class Engine:
                 raise EngineStopped(self._failure or "the server is shutting down")
             if self._pending >= self.config.max_queue:
                 self.metrics.rejected += 1
-                raise ServerBusy(f"server busy: {self._pending} requests are already waiting; "
-                                 "try again in a moment")
+                raise ServerBusy(
+                    f"server busy: {self._pending} requests are already waiting; "
+                    "try again in a moment"
+                )
             self._pending += 1
             self._inbox.put(Submit(Request(seq, handle, detok)))
         return handle
 
-    def generate(self, prompts: list[list[int]],
-                 params: SamplingParams | None = None) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | None = None
+    ) -> list[list[int]]:
         """Offline helper: submit all prompts at once and return each one's generated ids."""
         handles = [self.submit(p, params) for p in prompts]
         for h in handles:
@@ -129,29 +149,45 @@ class Engine:
         running, resident_owners, resident_blocks = self._gauges
         with m.lock:
             return EngineStats(
-                running=running, waiting=self._pending,
-                blocks_total=self.pool.num_blocks, blocks_used=self.pool.num_used,
-                blocks_free=self.pool.num_free, block_size=self.pool.block_size,
-                resident_owners=resident_owners, resident_blocks=resident_blocks,
-                kv_bytes=self.cache.nbytes, kv_bytes_per_token=self.kv_bytes_per_token,
-                model_bytes=self.loaded.model_bytes, max_model_len=self.max_model_len,
+                running=running,
+                waiting=self._pending,
+                blocks_total=self.pool.num_blocks,
+                blocks_used=self.pool.num_used,
+                blocks_free=self.pool.num_free,
+                block_size=self.pool.block_size,
+                resident_owners=resident_owners,
+                resident_blocks=resident_blocks,
+                kv_bytes=self.cache.nbytes,
+                kv_bytes_per_token=self.kv_bytes_per_token,
+                model_bytes=self.loaded.model_bytes,
+                max_model_len=self.max_model_len,
                 tokens_per_s=m.tokens_per_s(now),
-                prompt_tokens_total=m.prompt_tokens, generated_tokens_total=m.generated_tokens,
-                ttft_p50_s=percentile(m.ttft, 50), ttft_p95_s=percentile(m.ttft, 95),
-                itl_p50_s=percentile(m.itl, 50), itl_p95_s=percentile(m.itl, 95),
-                step_ms_p50=percentile(m.step_ms, 50), token_budget=self.budget.last,
-                requests_finished=m.finished, requests_failed=m.failed,
-                requests_rejected=m.rejected, preemptions=self.scheduler.num_preemptions,
-                resident_dropped=self.scheduler.num_resident_dropped, steps=m.steps,
-                max_batch_seen=m.max_batch, alive=self.alive, failure=self._failure,
+                prompt_tokens_total=m.prompt_tokens,
+                generated_tokens_total=m.generated_tokens,
+                ttft_p50_s=percentile(m.ttft, 50),
+                ttft_p95_s=percentile(m.ttft, 95),
+                itl_p50_s=percentile(m.itl, 50),
+                itl_p95_s=percentile(m.itl, 95),
+                step_ms_p50=percentile(m.step_ms, 50),
+                token_budget=self.budget.last,
+                requests_finished=m.finished,
+                requests_failed=m.failed,
+                requests_rejected=m.rejected,
+                preemptions=self.scheduler.num_preemptions,
+                resident_dropped=self.scheduler.num_resident_dropped,
+                steps=m.steps,
+                max_batch_seen=m.max_batch,
+                alive=self.alive,
+                failure=self._failure,
             )
 
     def queue_position(self, handle: RequestHandle) -> int | None:
         """How many requests wait ahead of this one (None once it runs or ended)."""
         if handle.done:
             return None
-        return self._queue_positions.get(handle.seq_id, None if handle.seq_id in
-                                         self._running_ids else self._pending - 1)
+        return self._queue_positions.get(
+            handle.seq_id, None if handle.seq_id in self._running_ids else self._pending - 1
+        )
 
     def set_memory_pressure_hook(self, hook: Callable[[int, str | None], None] | None) -> None:
         """`hook(blocks_short, protected_owner)` runs on the engine thread when the pool is
@@ -168,10 +204,14 @@ class Engine:
         n = len(kv.token_ids)
         shape = (self.loaded.num_layers, n, self.loaded.num_kv_heads, self.loaded.head_dim)
         if n == 0 or tuple(kv.k.shape) != shape or tuple(kv.v.shape) != shape:
-            raise InvalidRequest(f"KV of shape {tuple(kv.k.shape)} does not fit this model "
-                                 f"(expected {shape})")
-        return self._call(lambda: self.scheduler.resident.load(
-            owner, kv, self.cache, lambda need: self.scheduler.reclaim(need, keep_owner=owner)))
+            raise InvalidRequest(
+                f"KV of shape {tuple(kv.k.shape)} does not fit this model (expected {shape})"
+            )
+        return self._call(
+            lambda: self.scheduler.resident.load(
+                owner, kv, self.cache, lambda need: self.scheduler.reclaim(need, keep_owner=owner)
+            )
+        )
 
     def drop_kv(self, owner: str) -> bool:
         """Free an owner's resident KV; True if it had any."""
@@ -179,10 +219,14 @@ class Engine:
 
     def resident_kv(self) -> dict[str, tuple[int, int, float]]:
         """owner -> (tokens, blocks, seconds idle) of every resident KV."""
+
         def run() -> dict[str, tuple[int, int, float]]:
             now = time.monotonic()
-            return {o: (len(e.token_ids), len(e.block_table), now - e.last_used)
-                    for o, e in self.scheduler.resident.items()}
+            return {
+                o: (len(e.token_ids), len(e.block_table), now - e.last_used)
+                for o, e in self.scheduler.resident.items()
+            }
+
         return self._call(run)
 
     def check_integrity(self) -> None:
@@ -287,8 +331,13 @@ class Engine:
         self.budget.record(plan, ms)
         now = time.monotonic()
         self.output.process(plan, next_tokens, now)
-        self.metrics.record_step(now, ms, len(plan.decodes) + len(plan.prefills),
-                                 len(next_tokens), sum(n for _, n in plan.prefills))
+        self.metrics.record_step(
+            now,
+            ms,
+            len(plan.decodes) + len(plan.prefills),
+            len(next_tokens),
+            sum(n for _, n in plan.prefills),
+        )
 
     def _run(self, plan: StepPlan) -> dict[Sequence, int] | None:
         """The runner's next tokens, or None when the step failed (and with it its requests)."""

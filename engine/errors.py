@@ -25,4 +25,3 @@ class ServerBusy(CrowdchatError):
 
 class EngineStopped(CrowdchatError):
     """The engine is shutting down or has stopped (HTTP 503)."""
-

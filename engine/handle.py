@@ -24,8 +24,7 @@ class _Finished:
 class RequestHandle:
     """Iterate it for text deltas; `cancel()` from any thread; read the result after it ends."""
 
-    def __init__(self, seq_id: int, num_prompt_tokens: int,
-                 cancel: Callable[[int], None]) -> None:
+    def __init__(self, seq_id: int, num_prompt_tokens: int, cancel: Callable[[int], None]) -> None:
         self.seq_id = seq_id
         self.num_prompt_tokens = num_prompt_tokens
         self.token_ids: list[int] = []  # generated so far (written by the engine thread)

@@ -30,8 +30,11 @@ def kv_budget_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
         free, _total = torch.cuda.mem_get_info(loaded.device)
         hidden = loaded.model.config.hidden_size
         vocab = loaded.model.config.vocab_size
-        activations = (config.max_num_batched_tokens * hidden * 16 * 4
-                       + config.max_num_seqs * vocab * 4 * 2 + CUDA_ACTIVATION_SLACK)
+        activations = (
+            config.max_num_batched_tokens * hidden * 16 * 4
+            + config.max_num_seqs * vocab * 4 * 2
+            + CUDA_ACTIVATION_SLACK
+        )
         return int(free * config.gpu_memory_utilization) - activations
     available = psutil.virtual_memory().available
     if config.kv_budget_mb is not None:
@@ -39,7 +42,8 @@ def kv_budget_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
         if budget > available:
             raise ModelLoadError(
                 f"--kv-budget-mb {config.kv_budget_mb:.0f} exceeds available RAM "
-                f"({available / 2**20:.0f} MB)")
+                f"({available / 2**20:.0f} MB)"
+            )
         return budget
     return int(min(available * CPU_DEFAULT_SHARE, CPU_DEFAULT_CAP))
 
@@ -49,8 +53,10 @@ def pool_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     budget = kv_budget_bytes(config, loaded)
     num_blocks = budget // (bytes_per_token(loaded) * config.block_size)
     if num_blocks < 2:
-        raise InvalidRequest(f"KV budget {budget / 2**20:.1f} MB holds fewer than 2 blocks; "
-                             "raise --kv-budget-mb or --gpu-memory-utilization")
+        raise InvalidRequest(
+            f"KV budget {budget / 2**20:.1f} MB holds fewer than 2 blocks; "
+            "raise --kv-budget-mb or --gpu-memory-utilization"
+        )
     return num_blocks
 
 
@@ -67,8 +73,13 @@ class KVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.data = torch.zeros(
-            2, loaded.num_layers, loaded.num_kv_heads, num_blocks * block_size, loaded.head_dim,
-            dtype=loaded.dtype, device=loaded.device,
+            2,
+            loaded.num_layers,
+            loaded.num_kv_heads,
+            num_blocks * block_size,
+            loaded.head_dim,
+            dtype=loaded.dtype,
+            device=loaded.device,
         )
         self.k = list(self.data[0])  # per layer: [H_kv, slots, D]
         self.v = list(self.data[1])

@@ -98,8 +98,9 @@ class Metrics:
         self.steps = 0
         self.max_batch = 0
 
-    def record_step(self, now: float, ms: float, batch: int, new_tokens: int,
-                    prompt_tokens: int) -> None:
+    def record_step(
+        self, now: float, ms: float, batch: int, new_tokens: int, prompt_tokens: int
+    ) -> None:
         with self.lock:
             self.steps += 1
             self.step_ms.append(ms)

@@ -70,7 +70,7 @@ class ModelRunner:
         prefills = []
         for seq, n in plan.prefills:
             start, p0 = len(ids), seq.num_computed
-            ids += seq.token_ids[p0:p0 + n]
+            ids += seq.token_ids[p0 : p0 + n]
             pos += range(p0, p0 + n)
             slot_parts.append(cache.slots(seq.block_table, p0, p0 + n).cpu())
             if p0 == 0:
@@ -82,10 +82,13 @@ class ModelRunner:
             if p0 + n == seq.num_tokens:
                 logit_rows.append(start + n - 1)
         meta = StepMetadata(
-            k_cache=cache.k, v_cache=cache.v,
+            k_cache=cache.k,
+            v_cache=cache.v,
             slot_mapping=torch.cat(slot_parts).to(dev),
             num_decodes=len(plan.decodes),
-            block_size=cache.block_size, decode_blocks=decode_blocks, decode_pad=decode_pad,
+            block_size=cache.block_size,
+            decode_blocks=decode_blocks,
+            decode_pad=decode_pad,
             prefills=prefills,
         )
         return meta, ids, pos, logit_rows

@@ -32,8 +32,14 @@ class OutputProcessor:
     (admitted, or ended before it was admitted).
     """
 
-    def __init__(self, scheduler: Scheduler, metrics: Metrics, stop_ids: list[int],
-                 max_model_len: int, left_queue: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        metrics: Metrics,
+        stop_ids: list[int],
+        max_model_len: int,
+        left_queue: Callable[[], None],
+    ) -> None:
         self.scheduler = scheduler
         self.metrics = metrics
         self.stop_ids = frozenset(stop_ids)

@@ -119,8 +119,9 @@ class ResidentCache:
         k, v = cache.export(entry.block_table, len(entry.token_ids))
         return KVExport(list(entry.token_ids), k, v)
 
-    def load(self, owner: str, kv: KVExport, cache: KVCache,
-             reclaim: Callable[[int], bool]) -> bool:
+    def load(
+        self, owner: str, kv: KVExport, cache: KVCache, reclaim: Callable[[int], bool]
+    ) -> bool:
         """Make `kv` the owner's resident KV; False if `reclaim` cannot free enough blocks."""
         self.drop(owner)
         need = self.pool.blocks_for(len(kv.token_ids))

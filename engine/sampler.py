@@ -53,15 +53,16 @@ def sample_row(row: torch.Tensor, seq: Sequence) -> int:
             probs = (vals - torch.logsumexp(row, -1)).exp()
     if p.top_p < 1:
         keep = int(((probs.cumsum(-1) - probs) < p.top_p).sum())  # at least one
-        probs = probs[:max(keep, 1)]
+        probs = probs[: max(keep, 1)]
     return int(idx[_pick(probs, g)])
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int]) -> list[int]:
     """Next token per row of `logits` ([N, V]), one row per sequence, in order."""
     logits = logits.float()
-    early = [i for i, s in enumerate(seqs)
-             if s.num_generated < s.params.min_new_tokens and stop_ids]
+    early = [
+        i for i, s in enumerate(seqs) if s.num_generated < s.params.min_new_tokens and stop_ids
+    ]
     if early:  # out of place: the logits may be an inference-mode tensor (float32 models)
         dev = logits.device
         rows = torch.tensor(early, device=dev)[:, None]

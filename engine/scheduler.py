@@ -83,8 +83,9 @@ class Scheduler:
         if seq.retain and seq.owner is not None and seq.block_table and seq.num_computed:
             keep = self.pool.blocks_for(seq.num_computed)
             self.pool.free(seq.block_table[keep:])
-            self.resident.put(seq.owner, ResidentKV(seq.token_ids[: seq.num_computed],
-                                                    seq.block_table[:keep]))
+            self.resident.put(
+                seq.owner, ResidentKV(seq.token_ids[: seq.num_computed], seq.block_table[:keep])
+            )
         else:
             self.pool.free(seq.block_table)
         seq.block_table = []
@@ -139,8 +140,9 @@ class Scheduler:
             # what this prompt cannot reuse is stale: free it now, or a prompt whose prefix
             # changed early could wait forever behind its own owner's protected KV
             self.resident.trim(seq.owner, reuse)
-        if not self.reclaim(self.pool.blocks_for(seq.num_tokens) - self.pool.blocks_for(reuse),
-                            keep_owner=seq.owner):
+        if not self.reclaim(
+            self.pool.blocks_for(seq.num_tokens) - self.pool.blocks_for(reuse), keep_owner=seq.owner
+        ):
             return False
         if self._reusable(seq) != reuse:  # a hook released the owner's KV after all
             reuse = 0
@@ -151,7 +153,8 @@ class Scheduler:
             seq.block_table = entry.block_table
             seq.num_computed = reuse
         seq.block_table += self.pool.allocate(
-            self.pool.blocks_for(seq.num_tokens) - len(seq.block_table))
+            self.pool.blocks_for(seq.num_tokens) - len(seq.block_table)
+        )
         seq.status = SequenceStatus.RUNNING
         self.waiting.popleft()
         self.running.append(seq)

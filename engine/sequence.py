@@ -34,8 +34,10 @@ class SamplingParams:
 
         for name in ("temperature", "top_p"):
             v = getattr(self, name)
-            need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-                 f"{name} must be a number, got {v!r}")
+            need(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+                f"{name} must be a number, got {v!r}",
+            )
         for name in ("top_k", "max_new_tokens", "min_new_tokens"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool), f"{name} must be an integer")
@@ -43,14 +45,20 @@ class SamplingParams:
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         need(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
         need(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        need(0 <= self.min_new_tokens <= self.max_new_tokens,
-             "min_new_tokens must be in [0, max_new_tokens]")
-        need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-             "seed must be an integer")
+        need(
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            "min_new_tokens must be in [0, max_new_tokens]",
+        )
+        need(
+            self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+            "seed must be an integer",
+        )
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         need(len(stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
-        need(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in stop),
-             f"stop strings must be non-empty strings of at most {MAX_STOP_LEN} characters")
+        need(
+            all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in stop),
+            f"stop strings must be non-empty strings of at most {MAX_STOP_LEN} characters",
+        )
         object.__setattr__(self, "stop", stop)
 
 
@@ -61,8 +69,10 @@ def check_prompt(ids: object, vocab_size: int, max_model_len: int) -> list[int]:
     if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
         raise InvalidRequest("the prompt contains invalid token ids")
     if len(ids) >= max_model_len:
-        raise PromptTooLong(f"the prompt is {len(ids)} tokens; this server accepts at most "
-                            f"{max_model_len - 1} (model length and KV pool)")
+        raise PromptTooLong(
+            f"the prompt is {len(ids)} tokens; this server accepts at most "
+            f"{max_model_len - 1} (model length and KV pool)"
+        )
     return list(ids)
 
 
@@ -123,4 +133,4 @@ class Sequence:
 
     @property
     def generated_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]

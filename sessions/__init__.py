@@ -15,6 +15,14 @@ from sessions.state import SessionState
 from sessions.turn import ChatTurn
 
 __all__ = [
-    "ChatTurn", "RateLimited", "Reply", "SessionBusy", "SessionConfig", "SessionFacts",
-    "SessionManager", "SessionNotFound", "SessionState", "SessionStats",
+    "ChatTurn",
+    "RateLimited",
+    "Reply",
+    "SessionBusy",
+    "SessionConfig",
+    "SessionFacts",
+    "SessionManager",
+    "SessionNotFound",
+    "SessionState",
+    "SessionStats",
 ]

@@ -61,11 +61,19 @@ def session_facts(engine: Engine, store: Store, active: Container[str]) -> list[
     out = []
     for row in store.all_sessions():
         blocks = resident.get(row["id"], (0, 0, 0.0))[1]
-        out.append(SessionFacts(
-            id=row["id"], owner=row["owner"], title=row["title"], state=row["state"],
-            tokens=row["token_count"], resident_blocks=blocks,
-            resident_bytes=blocks * per_block, snapshot_bytes=snaps.get(row["id"], 0),
-            idle_s=0.0 if row["id"] in active else now - row["last_active"]))
+        out.append(
+            SessionFacts(
+                id=row["id"],
+                owner=row["owner"],
+                title=row["title"],
+                state=row["state"],
+                tokens=row["token_count"],
+                resident_blocks=blocks,
+                resident_bytes=blocks * per_block,
+                snapshot_bytes=snaps.get(row["id"], 0),
+                idle_s=0.0 if row["id"] in active else now - row["last_active"],
+            )
+        )
     return out
 
 
@@ -75,13 +83,24 @@ def session_stats(store: Store, residency: Residency, limiter: TokenRateLimiter)
     snaps = store.snapshots()
     return SessionStats(
         states=dict(Counter(row["state"] for row in store.all_sessions())),
-        snapshots=len(snaps), snapshot_bytes=sum(r["bytes"] for r in snaps),
-        disk_budget_bytes=off.disk_budget, host_bytes=off.host_bytes(),
-        restores=dict(off.restores), recomputes=residency.recomputes,
-        persists=off.persists, persist_failures=off.failures, evictions=off.evictions,
-        rate_limited=limiter.refused, last_snapshot_error=off.last_error,
-        restore_errors=off.restore_errors, last_restore_error=off.last_restore_error,
-        kv_writer_healthy=off.healthy(), kv_writer_restarts=off.writer_restarts,
-        persist_backoff={sid: f"{st.failures} failed write(s), last: {st.last_error}; next try "
-                              f"{time.strftime('%H:%M:%S', time.localtime(st.retry_at))}"
-                         for sid, st in off.persist_failing().items()})
+        snapshots=len(snaps),
+        snapshot_bytes=sum(r["bytes"] for r in snaps),
+        disk_budget_bytes=off.disk_budget,
+        host_bytes=off.host_bytes(),
+        restores=dict(off.restores),
+        recomputes=residency.recomputes,
+        persists=off.persists,
+        persist_failures=off.failures,
+        evictions=off.evictions,
+        rate_limited=limiter.refused,
+        last_snapshot_error=off.last_error,
+        restore_errors=off.restore_errors,
+        last_restore_error=off.last_restore_error,
+        kv_writer_healthy=off.healthy(),
+        kv_writer_restarts=off.writer_restarts,
+        persist_backoff={
+            sid: f"{st.failures} failed write(s), last: {st.last_error}; next try "
+            f"{time.strftime('%H:%M:%S', time.localtime(st.retry_at))}"
+            for sid, st in off.persist_failing().items()
+        },
+    )

@@ -50,8 +50,10 @@ class TokenRateLimiter:
                 self.refused += 1
                 oldest = self._used[owner][0][0]
             wait = max(1, int(oldest + WINDOW_S - now + 1))
-            raise RateLimited(f"you have used {used} tokens in the last minute (the limit is "
-                              f"{self.limit} per user); try again in {wait} s")
+            raise RateLimited(
+                f"you have used {used} tokens in the last minute (the limit is "
+                f"{self.limit} per user); try again in {wait} s"
+            )
 
     def record(self, owner: str, tokens: int) -> None:
         if self.limit and tokens > 0:

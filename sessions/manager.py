@@ -54,10 +54,12 @@ class SessionManager:
     # -- sessions -----------------------------------------------------------------------
     def create_session(self, owner: str, title: str = "", system_prompt: str = "") -> dict:
         """A new empty conversation for `owner` with a random 128-bit id."""
-        system_prompt = clean_text(system_prompt, self.config.max_message_chars) \
-            if system_prompt.strip() else ""
-        return self.store.create_session(secrets.token_hex(16), owner, title[:200],
-                                         system_prompt)
+        system_prompt = (
+            clean_text(system_prompt, self.config.max_message_chars)
+            if system_prompt.strip()
+            else ""
+        )
+        return self.store.create_session(secrets.token_hex(16), owner, title[:200], system_prompt)
 
     def list_sessions(self, owner: str) -> list[dict]:
         return self.store.list_sessions(owner)
@@ -86,8 +88,11 @@ class SessionManager:
         """Change the session's system prompt (the page sends it with every message, so an
         unchanged one costs no write)."""
         session = self.get_session(owner, sid)
-        text = clean_text(system_prompt, self.config.max_message_chars) \
-            if system_prompt.strip() else ""
+        text = (
+            clean_text(system_prompt, self.config.max_message_chars)
+            if system_prompt.strip()
+            else ""
+        )
         if text != session["system_prompt"]:
             self.store.update_session(sid, system_prompt=text)
 
@@ -151,8 +156,9 @@ class SessionManager:
                 raise InvalidRequest("there is no message to edit")
             convo = [*conversation(session, history[:-1]), {"role": "user", "content": text}]
             prompt = self.prompts.encode_fitting(convo, params)
-            replace = functools.partial(self._replace, reply_ids=[r["id"] for r in replies],
-                                        edit=(history[-1]["id"], text))
+            replace = functools.partial(
+                self._replace, reply_ids=[r["id"] for r in replies], edit=(history[-1]["id"], text)
+            )
             return self._start(sid, prompt, params, session, on_accept=replace)
 
     def prefetch(self, owner: str, sid: str) -> None:
@@ -206,8 +212,9 @@ class SessionManager:
         self.limiter.check(owner)
         cap = self.config.max_tokens_per_turn
         if params.max_new_tokens > cap:
-            params = replace(params, max_new_tokens=cap,
-                             min_new_tokens=min(params.min_new_tokens, cap))
+            params = replace(
+                params, max_new_tokens=cap, min_new_tokens=min(params.min_new_tokens, cap)
+            )
         return params
 
     @contextmanager
@@ -234,25 +241,39 @@ class SessionManager:
         with self._active_lock:
             self._active.pop(sid, None)
 
-    def _start(self, sid: str, prompt: list[int], params: SamplingParams, session: dict,
-               on_accept: Callable[[ChatTurn], None] | None = None) -> ChatTurn:
+    def _start(
+        self,
+        sid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        session: dict,
+        on_accept: Callable[[ChatTurn], None] | None = None,
+    ) -> ChatTurn:
         prior = session["token_count"]  # the conversation's tokens before this turn
         turn = ChatTurn(
-            sid, prompt, params,
+            sid,
+            prompt,
+            params,
             restore=functools.partial(self.residency.restore, sid, had_kv=prior > 0),
             submit=functools.partial(self.engine.submit, owner=sid, retain=True),
             queue_position=self.engine.queue_position,
             on_end=functools.partial(self._end_turn, owner=session["owner"]),
-            on_accept=on_accept)
+            on_accept=on_accept,
+        )
         self._active[sid] = turn
         return turn
 
-    def _replace(self, turn: ChatTurn, reply_ids: list[int],
-                 edit: tuple[int, str] | None = None) -> None:
+    def _replace(
+        self, turn: ChatTurn, reply_ids: list[int], edit: tuple[int, str] | None = None
+    ) -> None:
         """The engine took a regenerate or an edit: the old reply goes (and the edited
         message is rewritten) in one transaction, before the new reply streams."""
-        self.store.replace_reply(turn.session_id, reply_ids, edit, session_fields={
-            "state": SessionState.ACTIVE, "last_active": time.time()})
+        self.store.replace_reply(
+            turn.session_id,
+            reply_ids,
+            edit,
+            session_fields={"state": SessionState.ACTIVE, "last_active": time.time()},
+        )
 
     def _end_turn(self, turn: ChatTurn, owner: str) -> None:
         """Commit the reply (also a partial or failed one) and the session's new state, then
@@ -262,16 +283,25 @@ class SessionManager:
         sid = turn.session_id
         try:
             if not turn.accepted:
-                self.store.update_session(sid, state=SessionState.RESIDENT,
-                                          last_active=time.time())
+                self.store.update_session(sid, state=SessionState.RESIDENT, last_active=time.time())
                 return
             generated = turn.num_generated_tokens
             self.limiter.record(owner, generated + turn.num_prefilled_tokens)
-            update = {"state": SessionState.RESIDENT, "token_count": len(turn.prompt) + generated,
-                      "last_active": time.time(), "fingerprint": self.offload.fingerprint}
+            update = {
+                "state": SessionState.RESIDENT,
+                "token_count": len(turn.prompt) + generated,
+                "last_active": time.time(),
+                "fingerprint": self.offload.fingerprint,
+            }
             if turn.text or turn.finish_reason != "error":
-                self.store.add_message(sid, "assistant", turn.text, token_count=generated,
-                                       finish_reason=turn.finish_reason, session_fields=update)
+                self.store.add_message(
+                    sid,
+                    "assistant",
+                    turn.text,
+                    token_count=generated,
+                    finish_reason=turn.finish_reason,
+                    session_fields=update,
+                )
             else:
                 self.store.update_session(sid, **update)
         except NotFoundError:  # the conversation was deleted while it answered

@@ -34,10 +34,16 @@ class KVOffloader:
     thread makes the copy durable; until then a returning user restores from that copy.
     """
 
-    def __init__(self, engine: Engine, store: Store, files: SnapshotFiles,
-                 host_budget_bytes: int, disk_budget_bytes: int,
-                 on_state: Callable[[str, str], None],
-                 retry: RetryPolicy = RetryPolicy()) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        store: Store,
+        files: SnapshotFiles,
+        host_budget_bytes: int,
+        disk_budget_bytes: int,
+        on_state: Callable[[str, str], None],
+        retry: RetryPolicy = RetryPolicy(),
+    ) -> None:
         self.engine = engine
         self.store = store
         self.files = files
@@ -64,8 +70,9 @@ class KVOffloader:
         self.writer_restarts = 0  # times the writer loop crashed and was restarted
         self._crashes_in_a_row = 0
         self._jobs: queue.Queue[str | None] = queue.Queue()
-        self._writer = threading.Thread(target=self._supervise_writer, name="crowdchat-kv-writer",
-                                        daemon=True)
+        self._writer = threading.Thread(
+            target=self._supervise_writer, name="crowdchat-kv-writer", daemon=True
+        )
         self._writer.start()
 
     # -- out of the pool ----------------------------------------------------------------
@@ -120,8 +127,9 @@ class KVOffloader:
             except Exception as e:  # noqa: BLE001 - loud, but the user is still served
                 self.restore_errors += 1
                 when = time.strftime("%H:%M:%S")
-                self.last_restore_error = self.last_error = \
+                self.last_restore_error = self.last_error = (
                     f"{when} restoring {sid[:8]} failed: {type(e).__name__}: {e}"
+                )
                 log.exception("restoring session %s failed unexpectedly; it recomputes", sid)
                 return "cold"
 
@@ -193,8 +201,11 @@ class KVOffloader:
         for sid in doomed_files:
             self.files.delete(sid)
         if doomed_rows or doomed_files:
-            log.info("reconcile: deleted %d orphan snapshot file(s) and %d row(s)",
-                     len(doomed_files), len(doomed_rows))
+            log.info(
+                "reconcile: deleted %d orphan snapshot file(s) and %d row(s)",
+                len(doomed_files),
+                len(doomed_rows),
+            )
         return len(doomed_rows) + len(doomed_files)
 
     def drop_snapshot(self, sid: str) -> None:
@@ -226,7 +237,7 @@ class KVOffloader:
                 self.writer_restarts += 1
                 self._crashes_in_a_row += 1
                 log.exception("KV writer crashed (restart %d)", self.writer_restarts)
-                time.sleep(min(0.1 * 2 ** self._crashes_in_a_row, 5.0))  # no hot crash loop
+                time.sleep(min(0.1 * 2**self._crashes_in_a_row, 5.0))  # no hot crash loop
 
     def _write_loop(self) -> None:
         """Keep host copies within the host budget (0 on CPU): oldest go to disk first."""
@@ -268,14 +279,20 @@ class KVOffloader:
             return False
         try:
             path, size = self.files.write(sid, kv.token_ids, kv.k, kv.v, self.fingerprint)
-            self.store.put_snapshot(sid, str(path), size, len(kv.token_ids),
-                                    token_hash(kv.token_ids), self.fingerprint)
+            self.store.put_snapshot(
+                sid, str(path), size, len(kv.token_ids), token_hash(kv.token_ids), self.fingerprint
+            )
         except Exception as e:  # noqa: BLE001 - disk full, unwritable dir: keep serving
             self.failures += 1
             self.last_error = f"{time.strftime('%H:%M:%S')} persisting {sid[:8]} failed: {e}"
             status = self.retry.failed(sid, f"{type(e).__name__}: {e}")
-            log.error("snapshot of session %s failed (%d in a row, next try in %.0f s): %s",
-                      sid, status.failures, status.retry_at - time.time(), e)
+            log.error(
+                "snapshot of session %s failed (%d in a row, next try in %.0f s): %s",
+                sid,
+                status.failures,
+                status.retry_at - time.time(),
+                e,
+            )
             return False
         if self._gone(sid):  # its row was deleted while we wrote: undo
             self.drop_snapshot(sid)
@@ -287,8 +304,10 @@ class KVOffloader:
             kept = True
         if not kept:  # larger than the whole budget: the KV stays where it was
             self.failures += 1
-            self.last_error = (f"{time.strftime('%H:%M:%S')} persisting {sid[:8]} failed: "
-                               f"its snapshot alone exceeds --kv-disk-budget-mb")
+            self.last_error = (
+                f"{time.strftime('%H:%M:%S')} persisting {sid[:8]} failed: "
+                f"its snapshot alone exceeds --kv-disk-budget-mb"
+            )
             self.retry.failed(sid, "the snapshot alone exceeds --kv-disk-budget-mb")
             return False
         self.persists += 1
@@ -312,4 +331,3 @@ class KVOffloader:
             self.drop_snapshot(keep)
             return False
         return True
-

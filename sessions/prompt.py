@@ -45,10 +45,16 @@ def clean_messages(messages: list[Message], limit: int) -> list[Message]:
 def conversation(session: dict, history: list[dict]) -> list[Message]:
     """The session's system prompt and stored messages as chat messages (empty replies,
     e.g. a turn stopped before its first token, are left out)."""
-    convo = [{"role": "system", "content": session["system_prompt"]}] \
-        if session["system_prompt"] else []
-    convo += [{"role": m["role"], "content": m["content"]} for m in history
-              if m["role"] == "user" or m["content"]]
+    convo = (
+        [{"role": "system", "content": session["system_prompt"]}]
+        if session["system_prompt"]
+        else []
+    )
+    convo += [
+        {"role": m["role"], "content": m["content"]}
+        for m in history
+        if m["role"] == "user" or m["content"]
+    ]
     return convo
 
 
@@ -97,34 +103,46 @@ class PromptEncoder:
         # message i is its text and the template after it (its end, the next one's start)
         costs = [len(pieces[2 * i + 1]) + len(pieces[2 * i + 2]) for i in range(len(convo))]
         turns = convo[n_system:]
-        start = n_system + first_kept(costs[n_system:], [m["role"] == "user" for m in turns],
-                                      len(pieces[0]) + sum(costs[:n_system]), budget)
+        start = n_system + first_kept(
+            costs[n_system:],
+            [m["role"] == "user" for m in turns],
+            len(pieces[0]) + sum(costs[:n_system]),
+            budget,
+        )
         while True:
             kept = convo[:n_system] + convo[start:]
-            ids = [t for piece in (pieces if start == n_system else self.pieces(kept))
-                   for t in piece]
+            ids = [
+                t for piece in (pieces if start == n_system else self.pieces(kept)) for t in piece
+            ]
             if len(ids) <= budget:
                 return ids
             # a template whose pieces depend on their neighbours: one more turn goes
             later = [i for i in range(start + 1, len(convo)) if convo[i]["role"] == "user"]
             if not later:
-                raise PromptTooLong(f"the message is {len(ids)} tokens long; this server's "
-                                    f"context holds {budget} (shorten it)")
+                raise PromptTooLong(
+                    f"the message is {len(ids)} tokens long; this server's "
+                    f"context holds {budget} (shorten it)"
+                )
             start = later[0]
 
     def pieces(self, messages: list[Message]) -> list[tuple[int, ...]]:
         """The ids `ChatFormatter.encode` gives, in pieces: template text, message 0's text,
         template text, message 1's text, ..., template text (with the generation prompt)."""
         marker = f"\x00{secrets.token_hex(8)}"
-        masked = [{"role": m["role"], "content": f"{marker}{i}{marker}"}
-                  for i, m in enumerate(messages)]
+        masked = [
+            {"role": m["role"], "content": f"{marker}{i}{marker}"} for i, m in enumerate(messages)
+        ]
         rendered = self.formatter.tokenizer.apply_chat_template(
-            masked, tokenize=False, add_generation_prompt=True)
+            masked, tokenize=False, add_generation_prompt=True
+        )
         parts = rendered.split(marker)
         assert len(parts) == 2 * len(messages) + 1, "the template dropped or repeated a message"
-        return [self._tokens(part, False) if i % 2 == 0
-                else self._tokens(messages[int(part)]["content"], True)
-                for i, part in enumerate(parts)]
+        return [
+            self._tokens(part, False)
+            if i % 2 == 0
+            else self._tokens(messages[int(part)]["content"], True)
+            for i, part in enumerate(parts)
+        ]
 
     def _tokenize(self, text: str, user_text: bool) -> tuple[int, ...]:
         # user text never becomes markup: special tokens typed in it are split (as in

@@ -30,8 +30,9 @@ class Failed:
 Event = Delta | End | Failed
 
 
-def relay(reply: Iterable[str], put: Callable[[Event], None],
-          stopped: Callable[[], bool] = lambda: False) -> None:
+def relay(
+    reply: Iterable[str], put: Callable[[Event], None], stopped: Callable[[], bool] = lambda: False
+) -> None:
     """Run `reply` to its end on this thread, handing `put` a Delta per text delta, then one
     End or Failed. `stopped()` true: the reader left, stop handing it deltas."""
     deltas = iter(reply)
@@ -57,8 +58,9 @@ class RelayThread:
 
     def __init__(self, reply: Iterable[str], name: str) -> None:
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        threading.Thread(target=relay, args=(reply, self._events.put), name=name,
-                         daemon=True).start()
+        threading.Thread(
+            target=relay, args=(reply, self._events.put), name=name, daemon=True
+        ).start()
 
     def get(self, timeout: float) -> Event | None:
         """The next event, or None if none came within `timeout` seconds."""

@@ -44,8 +44,9 @@ class OneOffReply:
 
     restored_from: str | None = None
 
-    def __init__(self, handle: RequestHandle,
-                 queue_position: Callable[[RequestHandle], int | None]) -> None:
+    def __init__(
+        self, handle: RequestHandle, queue_position: Callable[[RequestHandle], int | None]
+    ) -> None:
         self.handle = handle
         self._queue_position = queue_position
 

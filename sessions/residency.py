@@ -24,22 +24,35 @@ class Residency:
     and its state is the turn's to record).
     """
 
-    def __init__(self, engine: Engine, config: SessionConfig, store: Store,
-                 files: SnapshotFiles, is_busy: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        config: SessionConfig,
+        store: Store,
+        files: SnapshotFiles,
+        is_busy: Callable[[str], bool],
+    ) -> None:
         self.engine = engine
         self.config = config
         self.store = store
         self.is_busy = is_busy
-        self.offload = KVOffloader(engine, store, files,
-                                   int(config.kv_host_budget_mb * 2**20),
-                                   int(config.kv_disk_budget_mb * 2**20), self.set_state)
+        self.offload = KVOffloader(
+            engine,
+            store,
+            files,
+            int(config.kv_host_budget_mb * 2**20),
+            int(config.kv_disk_budget_mb * 2**20),
+            self.set_state,
+        )
         self.recomputes = 0  # turns whose earlier KV was gone and had to be recomputed
         self._recover()
         engine.set_memory_pressure_hook(
-            lambda short, protected: self.offload.evict(short, protected, self.is_busy))
+            lambda short, protected: self.offload.evict(short, protected, self.is_busy)
+        )
         self._stop = threading.Event()
-        self._sweeper = threading.Thread(target=self._sweep_loop, name="crowdchat-sweeper",
-                                         daemon=True)
+        self._sweeper = threading.Thread(
+            target=self._sweep_loop, name="crowdchat-sweeper", daemon=True
+        )
         self._sweeper.start()
 
     def restore(self, sid: str, had_kv: bool) -> str:
@@ -101,10 +114,12 @@ class Residency:
         snaps = {r["session_id"] for r in self.store.snapshots()}
         for row in sessions:
             if row["state"] in (SessionState.ACTIVE, SessionState.RESIDENT) or (
-                    row["state"] == SessionState.PERSISTED and row["id"] not in snaps):
+                row["state"] == SessionState.PERSISTED and row["id"] not in snaps
+            ):
                 self.store.update_session(
-                    row["id"], state=SessionState.PERSISTED if row["id"] in snaps
-                    else SessionState.COLD)
+                    row["id"],
+                    state=SessionState.PERSISTED if row["id"] in snaps else SessionState.COLD,
+                )
 
     def _sweep_loop(self) -> None:
         while not self._stop.wait(self.config.sweep_interval_s):

@@ -154,8 +154,11 @@ class SnapshotFiles:
 
     def session_ids(self) -> list[str]:
         """The sessions that have a snapshot file here."""
-        return sorted(p.name[: -len(SUFFIX)] for p in self.directory.glob("*" + SUFFIX)
-                      if _SESSION_ID.fullmatch(p.name[: -len(SUFFIX)]))
+        return sorted(
+            p.name[: -len(SUFFIX)]
+            for p in self.directory.glob("*" + SUFFIX)
+            if _SESSION_ID.fullmatch(p.name[: -len(SUFFIX)])
+        )
 
     def total_bytes(self) -> int:
         """Bytes held by snapshot files in the directory."""

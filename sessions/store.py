@@ -145,9 +145,13 @@ class Store:
         """Delete message `id` (regenerating replaces the last reply)."""
         self.sql.write(lambda db: db.table("messages").delete_where("id = ?", [id]))
 
-    def replace_reply(self, session_id: str, reply_ids: list[int],
-                      edit: tuple[int, str] | None = None,
-                      session_fields: dict[str, Any] | None = None) -> None:
+    def replace_reply(
+        self,
+        session_id: str,
+        reply_ids: list[int],
+        edit: tuple[int, str] | None = None,
+        session_fields: dict[str, Any] | None = None,
+    ) -> None:
         """Delete a turn's reply rows and, for an edit `(message id, text)`, rewrite its user
         message, with the session's fields, in one transaction: all of it or nothing."""
         fields = _session_fields(session_fields or {})

@@ -23,12 +23,18 @@ class ChatTurn:
     the iteration.
     """
 
-    def __init__(self, sid: str, prompt: list[int], params: SamplingParams, *,
-                 restore: Callable[[], str],
-                 submit: Callable[[list[int], SamplingParams], RequestHandle],
-                 queue_position: Callable[[RequestHandle], int | None],
-                 on_end: Callable[[ChatTurn], None],
-                 on_accept: Callable[[ChatTurn], None] | None = None) -> None:
+    def __init__(
+        self,
+        sid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        restore: Callable[[], str],
+        submit: Callable[[list[int], SamplingParams], RequestHandle],
+        queue_position: Callable[[RequestHandle], int | None],
+        on_end: Callable[[ChatTurn], None],
+        on_accept: Callable[[ChatTurn], None] | None = None,
+    ) -> None:
         self.session_id = sid
         self.prompt = prompt
         self.params = params

@@ -40,8 +40,9 @@ def formatter(nf4_model: LoadedModel) -> ChatFormatter:
     return ChatFormatter(nf4_model.tokenizer)
 
 
-def make_engine(loaded: LoadedModel, tmp: Path, runner: RunnerFactory = ModelRunner,
-                **overrides: object) -> Engine:
+def make_engine(
+    loaded: LoadedModel, tmp: Path, runner: RunnerFactory = ModelRunner, **overrides: object
+) -> Engine:
     """An engine over an already loaded model (small pool unless overridden)."""
     settings: dict[str, object] = {"data_dir": tmp, "kv_budget_mb": 64}
     settings.update(overrides)
@@ -56,8 +57,12 @@ def nf4_engine(nf4_model: LoadedModel, tmp_path: Path) -> Iterator[Engine]:
     engine.shutdown()
 
 
-def make_sessions(loaded: LoadedModel, data_dir: Path, engine_overrides: dict | None = None,
-                  **session_overrides: object):  # noqa: ANN201 - (Engine, SessionManager)
+def make_sessions(
+    loaded: LoadedModel,
+    data_dir: Path,
+    engine_overrides: dict | None = None,
+    **session_overrides: object,
+):  # noqa: ANN201 - (Engine, SessionManager)
     """An engine plus a session manager on `data_dir` (idle persistence off unless asked)."""
     from sessions import SessionConfig, SessionManager
 

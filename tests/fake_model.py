@@ -38,8 +38,15 @@ def fake_loaded(max_position: int = 512) -> LoadedModel:
     return LoadedModel(
         model=SimpleNamespace(config=SimpleNamespace(vocab_size=VOCAB)),  # type: ignore[arg-type]
         tokenizer=FakeTokenizer(),  # type: ignore[arg-type]
-        model_id="fake", weights_hash="0", quant="none", device=torch.device("cpu"),
-        dtype=torch.float32, model_bytes=0, num_layers=1, num_kv_heads=1, head_dim=1,
+        model_id="fake",
+        weights_hash="0",
+        quant="none",
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        model_bytes=0,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=1,
         max_position=max_position,
     )
 
@@ -50,16 +57,16 @@ def next_token(ids: list[int]) -> int:
     return EOS if h % 29 == 0 else 3 + h % (VOCAB - 3)
 
 
-def expected_reply(prompt: list[int], max_new_tokens: int, max_model_len: int,
-                   ignore_eos: bool = False) -> list[int]:
+def expected_reply(
+    prompt: list[int], max_new_tokens: int, max_model_len: int, ignore_eos: bool = False
+) -> list[int]:
     """What a request must produce, run alone and without any cache."""
     ids, out = list(prompt), []
     while True:
         t = next_token(ids)
         ids.append(t)
         out.append(t)
-        if (t == EOS and not ignore_eos) or len(out) >= max_new_tokens \
-                or len(ids) >= max_model_len:
+        if (t == EOS and not ignore_eos) or len(out) >= max_new_tokens or len(ids) >= max_model_len:
             return out
 
 
@@ -98,27 +105,36 @@ class FakeRunner:
             start = self._checked.get(seq.seq_id, 0)
             start = 0 if start > seq.num_computed else start  # preempted: recomputed from 0
             read += self._slots(seq, start, seq.num_computed)
-            want += seq.token_ids[start: seq.num_computed]
+            want += seq.token_ids[start : seq.num_computed]
             self._checked[seq.seq_id] = seq.num_computed + n
             write += self._slots(seq, seq.num_computed, seq.num_computed + n)
-            values += seq.token_ids[seq.num_computed: seq.num_computed + n]
+            values += seq.token_ids[seq.num_computed : seq.num_computed + n]
         k = self.cache.k[0][0, :, 0]  # [slots]
         assert k[torch.tensor(read, dtype=torch.long)].long().tolist() == want, "stale KV"
         k[torch.tensor(write, dtype=torch.long)] = torch.tensor(values, dtype=torch.float32)
-        out = {seq: next_token(seq.token_ids) for seq, n in work
-               if seq.num_computed + n == seq.num_tokens}
+        out = {
+            seq: next_token(seq.token_ids)
+            for seq, n in work
+            if seq.num_computed + n == seq.num_tokens
+        }
         if self.step_s_per_token:
             time.sleep(self.step_s_per_token * plan.num_tokens)
         return out
 
 
-def fake_engine(num_blocks: int, block_size: int = 16, max_position: int = 512,
-                step_s_per_token: float = 0.0, **settings: object) -> tuple[Engine, FakeRunner]:
+def fake_engine(
+    num_blocks: int,
+    block_size: int = 16,
+    max_position: int = 512,
+    step_s_per_token: float = 0.0,
+    **settings: object,
+) -> tuple[Engine, FakeRunner]:
     """An Engine over the fake model with a pool of exactly `num_blocks` blocks."""
     loaded = fake_loaded(max_position)
     per_block = 2 * 4 * block_size  # K and V, 1 layer, 1 head of width 1, float32
-    config = EngineConfig(block_size=block_size, kv_budget_mb=num_blocks * per_block / 2**20,
-                          **settings)  # type: ignore[arg-type]
+    config = EngineConfig(
+        block_size=block_size, kv_budget_mb=num_blocks * per_block / 2**20, **settings
+    )  # type: ignore[arg-type]
     made: list[FakeRunner] = []
 
     def factory(loaded: LoadedModel, cache: KVCache) -> FakeRunner:

@@ -39,10 +39,12 @@ class LiveServer:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                       daemon=True)
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        )
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
         self.thread.start()
         wait_for(lambda: self.server.started, 20)
 
@@ -92,9 +94,16 @@ def test_openai_client_gets_replies_with_usage_and_streams(live: LiveServer) -> 
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
 
     parts = [{"type": "text", "text": "Say"}, {"type": "text", "text": "hello."}]
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=8,
-        temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": parts}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.strip()
@@ -104,8 +113,12 @@ def test_openai_client_gets_replies_with_usage_and_streams(live: LiveServer) -> 
 
 def test_max_tokens_is_honoured_with_ignore_eos(live: LiveServer) -> None:
     r = live.client().chat.completions.create(
-        model=MODEL, messages=HI, max_tokens=5, temperature=0,
-        extra_body={"ignore_eos": True, "min_tokens": 2, "top_k": 5})
+        model=MODEL,
+        messages=HI,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True, "min_tokens": 2, "top_k": 5},
+    )
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
 
 
@@ -119,49 +132,77 @@ def test_a_session_continues_across_requests_and_is_private(live: LiveServer) ->
     assert created["object"] == "session"
     sid, client = created["id"], live.client()
     first = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Name a large animal."}],
-        max_tokens=6, temperature=0, extra_headers={"X-Session-Id": sid})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a large animal."}],
+        max_tokens=6,
+        temperature=0,
+        extra_headers={"X-Session-Id": sid},
+    )
     second = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Where does it live?"}],
-        max_tokens=6, temperature=0, extra_headers={"X-Session-Id": sid})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Where does it live?"}],
+        max_tokens=6,
+        temperature=0,
+        extra_headers={"X-Session-Id": sid},
+    )
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
     msgs = live.sessions.messages(owner("k1"), sid)
     assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
     assert msgs[3]["content"] == second.choices[0].message.content
 
     # a turn still answering makes the next request on the session wait its turn: 409
-    with httpx.stream("POST", f"{live.url}/v1/chat/completions", headers={
-            **auth, "X-Session-Id": sid}, json={**LONG, "stream": True}, timeout=30) as r:
+    with httpx.stream(
+        "POST",
+        f"{live.url}/v1/chat/completions",
+        headers={**auth, "X-Session-Id": sid},
+        json={**LONG, "stream": True},
+        timeout=30,
+    ) as r:
         assert r.status_code == 200
-        busy = httpx.post(f"{live.url}/v1/chat/completions", json={"messages": HI},
-                          headers={**auth, "X-Session-Id": sid}, timeout=30)
+        busy = httpx.post(
+            f"{live.url}/v1/chat/completions",
+            json={"messages": HI},
+            headers={**auth, "X-Session-Id": sid},
+            timeout=30,
+        )
         assert busy.status_code == 409 and busy.json()["error"]["code"] == "session_busy"
 
     # someone else's session and a made-up one look exactly alike
     bodies = []
     for key, target in (("k2", sid), ("k1", "0" * 32)):
-        r = httpx.post(f"{live.url}/v1/chat/completions", json={"messages": HI}, timeout=30,
-                       headers={"Authorization": f"Bearer {key}", "X-Session-Id": target})
+        r = httpx.post(
+            f"{live.url}/v1/chat/completions",
+            json={"messages": HI},
+            timeout=30,
+            headers={"Authorization": f"Bearer {key}", "X-Session-Id": target},
+        )
         assert r.status_code == 404
         bodies.append(r.json())
     assert bodies[0] == bodies[1] and bodies[0]["error"]["type"] == "not_found_error"
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    (b"{not json", None),
-    (b"[1, 2]", None),
-    ({"messages": []}, "messages"),
-    ({"messages": HI, "temperature": "hot"}, "temperature"),
-    ({"messages": HI, "temperature": 5}, "temperature"),
-    ({"messages": HI, "max_tokens": 0}, "max_tokens"),
-    ({"messages": HI, "n": 2}, "n"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-])
-def test_bad_requests_get_openai_style_400s(live: LiveServer, body: object,
-                                            param: str | None) -> None:
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        ({"messages": []}, "messages"),
+        ({"messages": HI, "temperature": "hot"}, "temperature"),
+        ({"messages": HI, "temperature": 5}, "temperature"),
+        ({"messages": HI, "max_tokens": 0}, "max_tokens"),
+        ({"messages": HI, "n": 2}, "n"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ],
+)
+def test_bad_requests_get_openai_style_400s(
+    live: LiveServer, body: object, param: str | None
+) -> None:
     url = f"{live.url}/v1/chat/completions"
-    r = httpx.post(url, content=body, timeout=30) if isinstance(body, bytes) \
+    r = (
+        httpx.post(url, content=body, timeout=30)
+        if isinstance(body, bytes)
         else httpx.post(url, json=body, timeout=30)
+    )
     assert r.status_code == 400
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -187,6 +228,7 @@ def test_a_full_queue_gets_429_and_a_waiting_client_that_leaves_is_dropped(
                 outcome.append(httpx.post(url, json=LONG, timeout=httpx.Timeout(30, read=1.5)))
             except httpx.ReadTimeout as e:
                 outcome.append(e)
+
         waiter = threading.Thread(target=wait_in_queue)
         waiter.start()
         wait_for(lambda: engine.stats().waiting == 1, 10)
@@ -202,8 +244,10 @@ def test_a_full_queue_gets_429_and_a_waiting_client_that_leaves_is_dropped(
         assert not running.done
         running.cancel()
         wait_for(lambda: engine.stats().running == 0, 5)
-        families = {f.name: f for f in text_string_to_metric_families(
-            httpx.get(f"{server.url}/metrics").text)}
+        families = {
+            f.name: f
+            for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+        }
         assert families["crowdchat_requests_rejected"].samples[0].value == 2
     finally:
         server.close()
@@ -215,8 +259,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(live: LiveServer)
     wait_for(lambda: engine.stats().running == 0, 5)
     before = engine.stats()
     with httpx.Client(timeout=30) as client:
-        with client.stream("POST", f"{live.url}/v1/chat/completions",
-                           json={**LONG, "stream": True}) as r:
+        with client.stream(
+            "POST", f"{live.url}/v1/chat/completions", json={**LONG, "stream": True}
+        ) as r:
             content = []
             for line in r.iter_lines():
                 if '"content"' in line:
@@ -224,8 +269,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(live: LiveServer)
                 if len(content) >= 4:
                     break
             assert engine.stats().blocks_used > before.blocks_used
-    wait_for(lambda: engine.stats().running == 0
-             and engine.stats().blocks_used == before.blocks_used, 5)
+    wait_for(
+        lambda: engine.stats().running == 0 and engine.stats().blocks_used == before.blocks_used, 5
+    )
     assert engine.stats().requests_finished == before.requests_finished + 1
 
 
@@ -238,8 +284,9 @@ def test_metrics_parse_and_show_latency_and_kv_blocks(live: LiveServer) -> None:
     assert ttft.type == "histogram"
     inf = [s for s in ttft.samples if s.name.endswith("_bucket") and s.labels["le"] == "+Inf"]
     assert inf and inf[0].value >= 1
-    value = {n: families[f"crowdchat_kv_blocks_{n}"].samples[0].value
-             for n in ("used", "free", "total")}
+    value = {
+        n: families[f"crowdchat_kv_blocks_{n}"].samples[0].value for n in ("used", "free", "total")
+    }
     assert value["total"] > 0 and value["used"] + value["free"] == value["total"]
     assert families["crowdchat_generated_tokens"].samples[0].value >= 3
     states = {s.labels["state"] for s in families["crowdchat_sessions"].samples}

@@ -53,7 +53,7 @@ def test_fp32_batched_equals_solo_equals_transformers_generate(
         with torch.inference_mode():
             for p, mine in zip(ps, batched, strict=True):
                 ref = model.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False)
-                assert mine == ref[0, len(p):].tolist()
+                assert mine == ref[0, len(p) :].tolist()
     finally:
         model.set_attn_implementation("crowdchat_paged")
 
@@ -122,8 +122,9 @@ def test_fp32_chunked_prefill_changes_nothing(fp32_model: LoadedModel, tmp_path:
         whole.shutdown()
     chunked = make_engine(fp32_model, tmp_path, max_num_batched_tokens=64)
     try:
-        other = chunked.submit(prompts(formatter)[0], SamplingParams(
-            temperature=0, max_new_tokens=40, ignore_eos=True))
+        other = chunked.submit(
+            prompts(formatter)[0], SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+        )
         next(iter(other))  # decoding while the long prompt is chunked in
         assert chunked.generate([long_prompt], GREEDY)[0] == expected
         other.result()
@@ -156,10 +157,14 @@ def test_fp32_prompts_admitted_at_the_end_of_a_small_budget_change_nothing(
         engine.shutdown()
 
 
-def continue_conversation(engine, formatter: ChatFormatter, owner: str | None,
-                          reply: str) -> list[int]:
-    conv = [{"role": "user", "content": QUESTIONS[3]}, {"role": "assistant", "content": reply},
-            {"role": "user", "content": QUESTIONS[5]}]
+def continue_conversation(
+    engine, formatter: ChatFormatter, owner: str | None, reply: str
+) -> list[int]:
+    conv = [
+        {"role": "user", "content": QUESTIONS[3]},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": QUESTIONS[5]},
+    ]
     h = engine.submit(formatter.encode(conv), GREEDY, owner=owner, retain=owner is not None)
     h.result()
     return h.token_ids, h.num_cached_tokens

@@ -15,8 +15,16 @@ from tests.web import ADMIN_PASSWORD, running_server
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +117,7 @@ def open_settings(page: Page) -> None:
     expect(page.locator("#system textarea")).to_be_visible(timeout=10_000)
 
 
-def test_system_prompt_survives_a_reload_and_the_next_send(browser: Browser,
-                                                             server: tuple) -> None:
+def test_system_prompt_survives_a_reload_and_the_next_send(browser: Browser, server: tuple) -> None:
     url, _, sm = server
     context = browser.new_context(viewport={"width": 1100, "height": 900})
     page = context.new_page()
@@ -137,8 +144,9 @@ def test_system_prompt_survives_a_reload_and_the_next_send(browser: Browser,
     context.close()
 
 
-def test_a_reply_streams_only_into_the_conversation_on_screen(browser: Browser,
-                                                                server: tuple) -> None:
+def test_a_reply_streams_only_into_the_conversation_on_screen(
+    browser: Browser, server: tuple
+) -> None:
     url, _, sm = server
     context = browser.new_context(viewport={"width": 1100, "height": 900})
     page = context.new_page()

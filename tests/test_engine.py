@@ -34,12 +34,17 @@ def ask(formatter: ChatFormatter, text: str) -> list[int]:
 
 
 def test_streams_a_sensible_reply(nf4_engine: Engine, formatter: ChatFormatter) -> None:
-    h = nf4_engine.submit(ask(formatter, "What is the capital of France?"),
-                          SamplingParams(temperature=0, max_new_tokens=16))
+    h = nf4_engine.submit(
+        ask(formatter, "What is the capital of France?"),
+        SamplingParams(temperature=0, max_new_tokens=16),
+    )
     deltas = list(h)
     assert len(deltas) > 3 and "Paris" in "".join(deltas)
-    assert h.text == "".join(deltas) == nf4_engine.tokenizer.decode(
-        h.token_ids, skip_special_tokens=True)
+    assert (
+        h.text
+        == "".join(deltas)
+        == nf4_engine.tokenizer.decode(h.token_ids, skip_special_tokens=True)
+    )
     assert h.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
 
 
@@ -47,8 +52,10 @@ def test_stream_is_exact_across_multibyte_characters(
     nf4_engine: Engine, formatter: ChatFormatter
 ) -> None:
     """Deltas never contain half a character, and together they are the decoded reply."""
-    h = nf4_engine.submit(ask(formatter, "Reply with emoji only: 🎉🐍🚀 and the word naïve"),
-                          SamplingParams(temperature=0.9, seed=3, max_new_tokens=48))
+    h = nf4_engine.submit(
+        ask(formatter, "Reply with emoji only: 🎉🐍🚀 and the word naïve"),
+        SamplingParams(temperature=0.9, seed=3, max_new_tokens=48),
+    )
     deltas = list(h)
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == nf4_engine.tokenizer.decode(h.token_ids, skip_special_tokens=True)
@@ -78,8 +85,9 @@ def test_seed_makes_sampling_reproducible(nf4_engine: Engine, formatter: ChatFor
 
 
 def test_max_new_tokens_and_ignore_eos(nf4_engine: Engine, formatter: ChatFormatter) -> None:
-    h = nf4_engine.submit(ask(formatter, "Say hi."),
-                          SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))
+    h = nf4_engine.submit(
+        ask(formatter, "Say hi."), SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    )
     h.result()
     assert h.num_generated_tokens == 40 and h.finish_reason is FinishReason.LENGTH
 
@@ -88,12 +96,17 @@ def test_tiny_pool_completes_everything_by_queueing_and_preemption(
     nf4_model: LoadedModel, formatter: ChatFormatter, tmp_path: Path
 ) -> None:
     # 6 blocks of 16 tokens: room for about two of these conversations at a time
-    engine = make_engine(nf4_model, tmp_path, max_model_len=96,
-                         kv_budget_mb=6 * 16 * bytes_per_token(nf4_model) / 2**20)
+    engine = make_engine(
+        nf4_model,
+        tmp_path,
+        max_model_len=96,
+        kv_budget_mb=6 * 16 * bytes_per_token(nf4_model) / 2**20,
+    )
     try:
         assert engine.pool.num_blocks == 6
-        p = formatter.encode([{"role": "system", "content": "Be brief."},
-                              {"role": "user", "content": "Hi"}])
+        p = formatter.encode(
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        )
         sp = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
         handles = [engine.submit(p, sp) for _ in range(10)]
         for h in handles:
@@ -109,8 +122,10 @@ def test_tiny_pool_completes_everything_by_queueing_and_preemption(
 
 
 def test_cancel_frees_blocks_at_once(nf4_engine: Engine, formatter: ChatFormatter) -> None:
-    h = nf4_engine.submit(ask(formatter, "Tell me a long story."),
-                          SamplingParams(temperature=0, max_new_tokens=2000, ignore_eos=True))
+    h = nf4_engine.submit(
+        ask(formatter, "Tell me a long story."),
+        SamplingParams(temperature=0, max_new_tokens=2000, ignore_eos=True),
+    )
     it = iter(h)
     next(it)
     assert nf4_engine.stats().blocks_used > 0
@@ -126,8 +141,10 @@ def test_bad_requests_get_clear_errors_while_others_continue(
 ) -> None:
     engine = make_engine(nf4_model, tmp_path, max_queue=2, max_num_seqs=1, max_model_len=256)
     try:
-        busy = engine.submit(ask(formatter, "Hello"),
-                             SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True))
+        busy = engine.submit(
+            ask(formatter, "Hello"),
+            SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True),
+        )
         next(iter(busy))  # it runs now, taking the only batch slot
         with pytest.raises(InvalidRequest, match="empty"):
             engine.submit([])
@@ -206,13 +223,16 @@ def test_a_dead_engine_thread_fails_everything_and_refuses_new_work(
     monkeypatch.setattr(nf4_engine.scheduler, "schedule", real)
 
 
-def test_min_tokens_works_on_a_float32_model(fp32_model: LoadedModel, formatter: ChatFormatter,
-                                             tmp_path: Path) -> None:
+def test_min_tokens_works_on_a_float32_model(
+    fp32_model: LoadedModel, formatter: ChatFormatter, tmp_path: Path
+) -> None:
     engine = make_engine(fp32_model, tmp_path)
     try:
         for temperature in (0.0, 0.8):
-            h = engine.submit(ask(formatter, "Say nothing."), SamplingParams(
-                temperature=temperature, min_new_tokens=6, max_new_tokens=8, seed=1))
+            h = engine.submit(
+                ask(formatter, "Say nothing."),
+                SamplingParams(temperature=temperature, min_new_tokens=6, max_new_tokens=8, seed=1),
+            )
             h.result()
             assert h.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
             assert len(h.token_ids) >= 6
@@ -243,8 +263,7 @@ def test_submit_from_many_threads_batches_them(
     results: list[str] = []
 
     def user(i: int) -> None:
-        results.append(nf4_engine.submit(ask(formatter, f"Say the number {i}."),
-                                         GREEDY).result())
+        results.append(nf4_engine.submit(ask(formatter, f"Say the number {i}."), GREEDY).result())
 
     threads = [threading.Thread(target=user, args=(i,)) for i in range(6)]
     for t in threads:
@@ -262,8 +281,9 @@ def test_retained_kv_is_reused_and_exports_exactly(
     first = nf4_engine.submit(formatter.encode(conv), GREEDY, owner="s1", retain=True)
     reply = first.result()
     resident = nf4_engine.resident_kv()
-    assert "s1" in resident and resident["s1"][0] == first.num_prompt_tokens + len(
-        first.token_ids) - 1
+    assert (
+        "s1" in resident and resident["s1"][0] == first.num_prompt_tokens + len(first.token_ids) - 1
+    )
     exported = nf4_engine.export_kv("s1")
     assert exported is not None and exported.k.shape[1] == len(exported.token_ids)
     conv += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Another?"}]
@@ -310,9 +330,11 @@ def test_extreme_sampling_values_do_not_crash_the_batch(
 ) -> None:
     p = ask(formatter, "Hi")
     bystander = nf4_engine.submit(p, GREEDY)
-    odd = [nf4_engine.submit(p, SamplingParams(temperature=1e-30, max_new_tokens=4)),
-           nf4_engine.submit(p, SamplingParams(seed=2**80, max_new_tokens=4)),
-           nf4_engine.submit(p, SamplingParams(seed=-5, max_new_tokens=4))]
+    odd = [
+        nf4_engine.submit(p, SamplingParams(temperature=1e-30, max_new_tokens=4)),
+        nf4_engine.submit(p, SamplingParams(seed=2**80, max_new_tokens=4)),
+        nf4_engine.submit(p, SamplingParams(seed=-5, max_new_tokens=4)),
+    ]
     for h in [bystander, *odd]:
         h.result()
         assert h.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)

@@ -56,8 +56,9 @@ class Crowd:
         if owner in self.busy_owners:
             owner = None
         prompt = self.prompt_for(owner)
-        params = SamplingParams(temperature=0, max_new_tokens=rng.randint(1, 48),
-                                ignore_eos=rng.random() < 0.2)
+        params = SamplingParams(
+            temperature=0, max_new_tokens=rng.randint(1, 48), ignore_eos=rng.random() < 0.2
+        )
         try:
             handle = self.engine.submit(prompt, params, owner=owner, retain=owner is not None)
         except ServerBusy:
@@ -127,8 +128,12 @@ SCENARIOS = [  # (seed, requests, blocks, engine settings)
     (2, 400, 24, {"max_num_batched_tokens": 32}),  # a tiny budget: admissions at 1 token left
     (3, 400, 12, {"max_num_batched_tokens": 16, "max_num_seqs": 4}),  # a tiny pool
     (4, 400, 40, {"max_num_batched_tokens": 48, "block_size": 8}),
-    (5, 300, 32, {"max_num_batched_tokens": 512, "target_itl_ms": 5.0,
-                  "step_s_per_token": 2e-5}),  # budgets sized by the ITL target
+    (
+        5,
+        300,
+        32,
+        {"max_num_batched_tokens": 512, "target_itl_ms": 5.0, "step_s_per_token": 2e-5},
+    ),  # budgets sized by the ITL target
     (6, 400, 16, {"max_num_batched_tokens": 64, "max_queue": 8}),  # a full queue rejects
 ]
 
@@ -147,16 +152,19 @@ def test_the_resident_prefix_is_reused_by_the_owner_only() -> None:
     engine, _ = fake_engine(32)
     try:
         prompt = list(range(3, 60))
-        first = engine.submit(prompt, SamplingParams(temperature=0, max_new_tokens=4),
-                              owner="alice", retain=True)
+        first = engine.submit(
+            prompt, SamplingParams(temperature=0, max_new_tokens=4), owner="alice", retain=True
+        )
         first.result()
         again = prompt + first.token_ids + [7, 8, 9]
-        stranger = engine.submit(again, SamplingParams(temperature=0, max_new_tokens=4),
-                                 owner="bob", retain=True)
+        stranger = engine.submit(
+            again, SamplingParams(temperature=0, max_new_tokens=4), owner="bob", retain=True
+        )
         stranger.result()
         assert stranger.num_cached_tokens == 0
-        mine = engine.submit(again, SamplingParams(temperature=0, max_new_tokens=4),
-                             owner="alice", retain=True)
+        mine = engine.submit(
+            again, SamplingParams(temperature=0, max_new_tokens=4), owner="alice", retain=True
+        )
         mine.result()
         assert mine.num_cached_tokens == len(prompt) + len(first.token_ids) - 1
         engine.check_integrity()

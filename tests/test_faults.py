@@ -58,9 +58,13 @@ def test_unwritable_snapshots_under_memory_pressure_make_sessions_cold(
     nf4_model: LoadedModel, tmp_path: Path
 ) -> None:
     from engine.kv_cache import bytes_per_token
+
     blocks = 10
-    engine, sm = make_sessions(nf4_model, tmp_path, {
-        "kv_budget_mb": blocks * 16 * bytes_per_token(nf4_model) / 2**20, "max_model_len": 150})
+    engine, sm = make_sessions(
+        nf4_model,
+        tmp_path,
+        {"kv_budget_mb": blocks * 16 * bytes_per_token(nf4_model) / 2**20, "max_model_len": 150},
+    )
     try:
         break_directory(sm.files.directory)
         sids = [sm.create_session(f"u{i}")["id"] for i in range(4)]
@@ -87,8 +91,11 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
         pytest.skip("mounting a small tmpfs (a real full filesystem) needs root")
     mount = tmp_path / "snapshots"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
@@ -139,7 +146,8 @@ def test_a_full_disk_backs_off_per_session_and_recovers_once_space_is_freed(
         (full_disk / "filler").unlink()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(
-                sm.offload.persist_status(s) is not None for s in sids):
+            sm.offload.persist_status(s) is not None for s in sids
+        ):
             time.sleep(0.1)
         for i, sid in enumerate(sids):
             assert sm.offload.persist_status(sid) is None
@@ -152,8 +160,12 @@ def test_a_full_disk_backs_off_per_session_and_recovers_once_space_is_freed(
 
 def test_sigkill_during_sqlite_writes_loses_nothing_committed(tmp_path: Path) -> None:
     db = tmp_path / "crowdchat.db"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.sqlite_worker", str(db)], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.sqlite_worker", str(db)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     acknowledged = -1
     try:
         deadline = time.time() + 60

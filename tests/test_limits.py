@@ -32,14 +32,18 @@ def test_limiter_window(monkeypatch: pytest.MonkeyPatch) -> None:
     assert TokenRateLimiter(0).check("x") is None  # off
 
 
-def test_a_heavy_user_is_limited_with_a_clear_message(nf4_model: LoadedModel,
-                                                       tmp_path: Path) -> None:
-    engine, sm = make_sessions(nf4_model, tmp_path, tokens_per_minute=60,
-                               max_tokens_per_turn=40)
+def test_a_heavy_user_is_limited_with_a_clear_message(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    engine, sm = make_sessions(nf4_model, tmp_path, tokens_per_minute=60, max_tokens_per_turn=40)
     try:
         sid = sm.create_session("heavy")["id"]
-        turn = sm.chat("heavy", sid, "Tell me everything.",
-                       SamplingParams(temperature=0, max_new_tokens=5000, ignore_eos=True))
+        turn = sm.chat(
+            "heavy",
+            sid,
+            "Tell me everything.",
+            SamplingParams(temperature=0, max_new_tokens=5000, ignore_eos=True),
+        )
         turn.result()
         assert turn.handle.num_generated_tokens == 40  # clamped to the per-turn cap
         with pytest.raises(RateLimited, match="limit is 60 per user"):
@@ -51,8 +55,9 @@ def test_a_heavy_user_is_limited_with_a_clear_message(nf4_model: LoadedModel,
         close_sessions(engine, sm)
 
 
-def test_the_api_answers_429_when_a_key_is_over_its_budget(nf4_model: LoadedModel,
-                                                            tmp_path: Path) -> None:
+def test_the_api_answers_429_when_a_key_is_over_its_budget(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
     with running_server(nf4_model, tmp_path) as (url, _, sm):
         sm.limiter.limit = 100
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 80}
@@ -62,8 +67,12 @@ def test_the_api_answers_429_when_a_key_is_over_its_budget(nf4_model: LoadedMode
         second = httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth, timeout=60)
         assert second.status_code == 429
         assert "per user" in second.json()["error"]["message"]
-        other = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60,
-                           headers={"Authorization": "Bearer modest"})
+        other = httpx.post(
+            f"{url}/v1/chat/completions",
+            json=body,
+            timeout=60,
+            headers={"Authorization": "Bearer modest"},
+        )
         assert other.status_code == 200
 
 
@@ -78,8 +87,9 @@ def test_a_one_off_reply_goes_through_the_session_layer_and_its_limits(
         assert "".join(reply) and reply.num_generated_tokens == 6  # capped per turn
         # charged up front: its prompt and its (capped) reply budget
         assert sm.limiter.used("api:k") == reply.num_prompt_tokens + 6
-        assert reply.num_prompt_tokens == len(sm.formatter.encode(
-            [{"role": "user", "content": "Count to twenty."}]))  # cleaned before encoding
+        assert reply.num_prompt_tokens == len(
+            sm.formatter.encode([{"role": "user", "content": "Count to twenty."}])
+        )  # cleaned before encoding
         with pytest.raises(RateLimited, match="limit is 10 per user"):
             sm.complete("api:k", msgs, SamplingParams(max_new_tokens=4))
         with pytest.raises(InvalidRequest, match="empty"):

@@ -50,8 +50,11 @@ class FakeEngine:
 def fake_kv(tokens: int = 5, seed: int = 0) -> KVExport:
     gen = torch.Generator().manual_seed(seed)
     shape = (FP["num_layers"], tokens, FP["num_kv_heads"], FP["head_dim"])  # [L, T, H, D]
-    return KVExport(list(range(1, tokens + 1)), torch.randn(shape, generator=gen),
-                    torch.randn(shape, generator=gen))
+    return KVExport(
+        list(range(1, tokens + 1)),
+        torch.randn(shape, generator=gen),
+        torch.randn(shape, generator=gen),
+    )
 
 
 class Rig(SimpleNamespace):
@@ -77,8 +80,14 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     store = Store(tmp_path / "crowdchat.db")
     files = SnapshotFiles(tmp_path / "snapshots")
     states: list[tuple[str, str]] = []
-    off = KVOffloader(engine, store, files, 0, 1 << 30,  # type: ignore[arg-type]
-                      lambda sid, state: states.append((sid, state)))
+    off = KVOffloader(
+        engine,
+        store,
+        files,
+        0,
+        1 << 30,  # type: ignore[arg-type]
+        lambda sid, state: states.append((sid, state)),
+    )
     yield Rig(engine=engine, store=store, files=files, off=off, states=states)
     off.flush()
     store.close()

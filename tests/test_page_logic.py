@@ -74,8 +74,7 @@ def test_signed_in_user_sees_their_conversations_from_any_browser(
     auth.main([str(users), "ann"])
     with running_server(nf4_model, tmp_path / "data", auth_file=users) as (url, _, sm):
         laptop = Client(url, auth=("ann", "s3cret-pass"), verbose=False)
-        laptop.predict("Remember the word banana.", "0" * 32, "", 0.0, 1.0, 16,
-                       api_name="/on_send")
+        laptop.predict("Remember the word banana.", "0" * 32, "", 0.0, 1.0, 16, api_name="/on_send")
         phone = Client(url, auth=("ann", "s3cret-pass"), verbose=False)
         _user, convos, history, _system = phone.predict("f" * 32, api_name="/on_load")
         assert len(convos["choices"]) == 1
@@ -97,8 +96,7 @@ def test_a_conversation_keeps_its_system_prompt_across_reload_switch_and_new_cha
         screen = Screen()
 
         def send(message: str, sid: str | None, system: str) -> str:
-            *_, last = page.on_send(message, user, sid, False, system, 0.0, 1.0, 8, screen,
-                                    None)
+            *_, last = page.on_send(message, user, sid, False, system, 0.0, 1.0, 8, screen, None)
             return last[3]
 
         pirate = send("Hello there.", None, "You are a pirate.")
@@ -130,8 +128,18 @@ def test_a_reply_paints_only_while_its_conversation_is_on_screen(
         screen = Screen()
         other = sm.create_session(owner)["id"]
         sm.chat(owner, other, "Say hi.", SamplingParams(temperature=0, max_new_tokens=4)).result()
-        stream = page.on_send("Write a long story about a lighthouse keeper.", user, None, False,
-                              "", 0.0, 1.0, 200, screen, None)
+        stream = page.on_send(
+            "Write a long story about a lighthouse keeper.",
+            user,
+            None,
+            False,
+            "",
+            0.0,
+            1.0,
+            200,
+            screen,
+            None,
+        )
         first = next(stream)
         sid = first[3]
         assert first[0][0]["content"].startswith("Write a long story")

@@ -21,7 +21,7 @@ def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     row = logits / p.temperature
     vals, idx = torch.sort(row, descending=True)
     if p.top_k:
-        vals, idx = vals[:p.top_k], idx[:p.top_k]
+        vals, idx = vals[: p.top_k], idx[: p.top_k]
     probs = vals.softmax(-1)
     keep = max(int(((probs.cumsum(-1) - probs) < p.top_p).sum()), 1)
     out = torch.zeros_like(logits)
@@ -32,10 +32,12 @@ def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def test_matches_the_reference_distribution() -> None:
     torch.manual_seed(0)
     logits = torch.randn(40) * 2
-    for params in (SamplingParams(temperature=1.0, seed=1),
-                   SamplingParams(temperature=0.7, top_p=0.8, seed=2),
-                   SamplingParams(temperature=1.3, top_k=5, seed=3),
-                   SamplingParams(temperature=0.9, top_k=10, top_p=0.5, seed=4)):
+    for params in (
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=0.7, top_p=0.8, seed=2),
+        SamplingParams(temperature=1.3, top_k=5, seed=3),
+        SamplingParams(temperature=0.9, top_k=10, top_p=0.5, seed=4),
+    ):
         got = draws(logits, params, 20_000)
         want = reference(logits, params)
         assert (got - want).abs().max() < 0.015, params
@@ -60,6 +62,8 @@ def test_min_tokens_masks_stop_ids_on_float32_inference_logits() -> None:
     with torch.inference_mode():  # the model's logits are inference tensors
         logits = torch.zeros(2, 8)
         logits[:, 3] = 10.0  # the stop id would win
-    seqs = [Sequence([1], SamplingParams(temperature=0, min_new_tokens=2)),
-            Sequence([1], SamplingParams(temperature=0))]
+    seqs = [
+        Sequence([1], SamplingParams(temperature=0, min_new_tokens=2)),
+        Sequence([1], SamplingParams(temperature=0)),
+    ]
     assert sample(logits, seqs, stop_ids=[3]) == [0, 3]

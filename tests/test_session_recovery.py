@@ -45,8 +45,12 @@ def test_deleting_a_conversation_while_it_answers_leaves_no_kv_anywhere(
     engine, sm = make_sessions(nf4_model, tmp_path)
     try:
         s = sm.create_session("u")
-        turn = sm.chat("u", s["id"], "Tell me a long story.",
-                       SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True))
+        turn = sm.chat(
+            "u",
+            s["id"],
+            "Tell me a long story.",
+            SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True),
+        )
         stream = iter(turn)
         next(stream)  # the reply is streaming
         sm.delete_session("u", s["id"])

@@ -31,8 +31,9 @@ def imports_of(path: Path) -> set[str]:
     return out
 
 
-def finished_handle(deltas: list[str], reason: FinishReason = FinishReason.STOP,
-                    error: str | None = None) -> RequestHandle:
+def finished_handle(
+    deltas: list[str], reason: FinishReason = FinishReason.STOP, error: str | None = None
+) -> RequestHandle:
     """A handle as the engine leaves it after streaming `deltas` (no engine needed)."""
     handle = RequestHandle(1, 7, cancel=lambda _id: None)
     for d in deltas:
@@ -52,8 +53,13 @@ def test_no_session_module_imports_the_manager_and_the_engine_knows_no_sessions(
 
 
 def test_the_api_and_the_pages_reach_sessions_only_through_their_public_face() -> None:
-    for name in ("api/openai_api.py", "api/metrics.py", "ui/monitor.py", "ui/admin_page.py",
-                 "ui/chat_page.py"):
+    for name in (
+        "api/openai_api.py",
+        "api/metrics.py",
+        "ui/monitor.py",
+        "ui/admin_page.py",
+        "ui/chat_page.py",
+    ):
         text = (ROOT / name).read_text()
         for private in (".offload", ".store.", ".limiter", "ChatFormatter", "recomputes ="):
             assert private not in text, (name, private)
@@ -75,8 +81,15 @@ def test_a_turn_runs_on_what_it_was_given_and_ends_exactly_once() -> None:
         return finished_handle(["Hel", "lo"])
 
     params = SamplingParams(max_new_tokens=4)
-    turn = ChatTurn("s" * 32, [1, 2, 3], params, restore=lambda: "disk", submit=submit,
-                    queue_position=lambda _h: None, on_end=ended.append)
+    turn = ChatTurn(
+        "s" * 32,
+        [1, 2, 3],
+        params,
+        restore=lambda: "disk",
+        submit=submit,
+        queue_position=lambda _h: None,
+        on_end=ended.append,
+    )
     assert isinstance(turn, Reply) and turn.queue_position() is None
     assert turn.result() == "Hello"
     assert submitted == [([1, 2, 3], params)] and ended == [turn]
@@ -86,9 +99,15 @@ def test_a_turn_runs_on_what_it_was_given_and_ends_exactly_once() -> None:
 
 def test_a_turn_that_fails_reports_the_error_and_still_ends() -> None:
     ended: list[ChatTurn] = []
-    turn = ChatTurn("s" * 32, [1], SamplingParams(), restore=lambda: "cold",
-                    submit=lambda p, s: finished_handle(["x"], FinishReason.ERROR, "boom"),
-                    queue_position=lambda _h: 0, on_end=ended.append)
+    turn = ChatTurn(
+        "s" * 32,
+        [1],
+        SamplingParams(),
+        restore=lambda: "cold",
+        submit=lambda p, s: finished_handle(["x"], FinishReason.ERROR, "boom"),
+        queue_position=lambda _h: 0,
+        on_end=ended.append,
+    )
     with pytest.raises(CrowdchatError, match="boom"):
         turn.result()
     assert ended == [turn] and turn.finish_reason == "error" and turn.error == "boom"
@@ -98,8 +117,11 @@ def test_a_one_off_reply_is_a_reply_without_a_session() -> None:
     reply = OneOffReply(finished_handle(["a", "b"], FinishReason.LENGTH), lambda _h: 3)
     assert isinstance(reply, Reply) and reply.restored_from is None
     assert list(reply) == ["a", "b"] and reply.queue_position() == 3
-    assert (str(reply.finish_reason), reply.num_prompt_tokens, reply.num_generated_tokens) \
-        == ("length", 7, 2)
+    assert (str(reply.finish_reason), reply.num_prompt_tokens, reply.num_generated_tokens) == (
+        "length",
+        7,
+        2,
+    )
 
 
 def test_the_relay_hands_out_typed_events_and_closes_the_stream() -> None:

@@ -73,11 +73,19 @@ def test_a_regenerate_or_edit_the_server_turns_away_leaves_the_conversation_as_i
     try:
         sid = sm.create_session("u")["id"]
         sm.store.add_message(sid, "user", Q1)
-        sm.store.add_message(sid, "assistant", "An elephant.", token_count=4,
-                             finish_reason="stop", session_fields={"token_count": 30})
+        sm.store.add_message(
+            sid,
+            "assistant",
+            "An elephant.",
+            token_count=4,
+            finish_reason="stop",
+            session_fields={"token_count": 30},
+        )
         before = sm.messages("u", sid)
-        for start in (lambda: sm.regenerate("u", sid, GREEDY),
-                      lambda: sm.edit_last("u", sid, "Name a small animal.", GREEDY)):
+        for start in (
+            lambda: sm.regenerate("u", sid, GREEDY),
+            lambda: sm.edit_last("u", sid, "Name a small animal.", GREEDY),
+        ):
             turn = start()
             with pytest.raises(ServerBusy):
                 turn.result()
@@ -110,9 +118,10 @@ def test_regenerate_and_edit_replace_the_old_turn_in_one_write_before_the_reply_
         first = sm.chat("u", sid, Q1, FORCED)
         first.result()
         count = count_writes(sm, monkeypatch)
-        for start, user_text in ((lambda: sm.regenerate("u", sid, FORCED), Q1),
-                                 (lambda: sm.edit_last("u", sid, "Say hello.", FORCED),
-                                  "Say hello.")):
+        for start, user_text in (
+            (lambda: sm.regenerate("u", sid, FORCED), Q1),
+            (lambda: sm.edit_last("u", sid, "Say hello.", FORCED), "Say hello."),
+        ):
             count[0] = 0
             turn = start()
             stream = iter(turn)
@@ -136,8 +145,11 @@ def test_a_turn_is_charged_what_the_server_computed_also_a_recomputed_history(
     try:
         charges: list[int] = []  # what each turn was charged (the window may slide meanwhile)
         real = sm.limiter.record
-        monkeypatch.setattr(sm.limiter, "record",
-                            lambda owner, tokens: (charges.append(tokens), real(owner, tokens)))
+        monkeypatch.setattr(
+            sm.limiter,
+            "record",
+            lambda owner, tokens: (charges.append(tokens), real(owner, tokens)),
+        )
         sid = sm.create_session("u")["id"]
         turns = []
         for text in (Q1, Q2, "And what does it eat?"):

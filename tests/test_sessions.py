@@ -117,11 +117,13 @@ def test_bad_snapshots_fall_back_to_recompute(
         close_sessions(engine, sm)
 
 
-def test_five_users_share_a_pool_for_two_lru_first(nf4_model: LoadedModel,
-                                                    tmp_path: Path) -> None:
+def test_five_users_share_a_pool_for_two_lru_first(nf4_model: LoadedModel, tmp_path: Path) -> None:
     blocks = 12  # two or three of these conversations fit (4-7 blocks each), never five
-    engine, sm = make_sessions(nf4_model, tmp_path, {
-        "kv_budget_mb": blocks * 16 * engine_bytes(nf4_model) / 2**20, "max_model_len": 190})
+    engine, sm = make_sessions(
+        nf4_model,
+        tmp_path,
+        {"kv_budget_mb": blocks * 16 * engine_bytes(nf4_model) / 2**20, "max_model_len": 190},
+    )
     try:
         users = [f"user{i}" for i in range(5)]
         sids = {u: sm.create_session(u)["id"] for u in users}
@@ -133,7 +135,7 @@ def test_five_users_share_a_pool_for_two_lru_first(nf4_model: LoadedModel,
                     assert turn.restored_from in ("host", "disk")
             resident = list(engine.resident_kv())  # least recently used first
             assert 1 <= len(resident) <= 3  # the pool holds a few, never all five
-            assert resident == [sids[u] for u in users[-len(resident):]]  # the newest stay
+            assert resident == [sids[u] for u in users[-len(resident) :]]  # the newest stay
         for u in users:
             assert len(sm.messages(u, sids[u])) == 4
         assert sm.offload.restores["disk"] + sm.offload.restores["host"] >= 5
@@ -143,11 +145,11 @@ def test_five_users_share_a_pool_for_two_lru_first(nf4_model: LoadedModel,
 
 def engine_bytes(loaded: LoadedModel) -> int:
     from engine.kv_cache import bytes_per_token
+
     return bytes_per_token(loaded)
 
 
-def test_idle_sessions_are_persisted_by_the_sweeper(nf4_model: LoadedModel,
-                                                     tmp_path: Path) -> None:
+def test_idle_sessions_are_persisted_by_the_sweeper(nf4_model: LoadedModel, tmp_path: Path) -> None:
     engine, sm = make_sessions(nf4_model, tmp_path, idle_seconds=0.3, sweep_interval_s=0.1)
     try:
         s = sm.create_session("u")
@@ -188,12 +190,14 @@ def test_owners_are_isolated_and_ids_are_checked(nf4_model: LoadedModel, tmp_pat
         s = sm.create_session("alice")
         assert len(s["id"]) == 32 and int(s["id"], 16) >= 0  # 128 random bits
         sm.chat("alice", s["id"], Q1, GREEDY).result()
-        for call in (lambda: sm.messages("mallory", s["id"]),
-                     lambda: sm.chat("mallory", s["id"], "hi", GREEDY),
-                     lambda: sm.rename_session("mallory", s["id"], "mine"),
-                     lambda: sm.delete_session("mallory", s["id"]),
-                     lambda: sm.messages("alice", "../../etc/passwd"),
-                     lambda: sm.messages("alice", "0" * 32)):
+        for call in (
+            lambda: sm.messages("mallory", s["id"]),
+            lambda: sm.chat("mallory", s["id"], "hi", GREEDY),
+            lambda: sm.rename_session("mallory", s["id"], "mine"),
+            lambda: sm.delete_session("mallory", s["id"]),
+            lambda: sm.messages("alice", "../../etc/passwd"),
+            lambda: sm.messages("alice", "0" * 32),
+        ):
             with pytest.raises(SessionNotFound):
                 call()
         assert sm.list_sessions("mallory") == []
@@ -206,8 +210,13 @@ def test_bad_messages_and_concurrent_turns(nf4_model: LoadedModel, tmp_path: Pat
     engine, sm = make_sessions(nf4_model, tmp_path, max_message_chars=1000)
     try:
         sid = sm.create_session("u")["id"]
-        for bad, match in (("", "empty"), ("  \n\t", "empty"), ("x" * 1001, "limit"),
-                           ("bad \ud800 surrogate", "UTF-8"), (None, "text")):
+        for bad, match in (
+            ("", "empty"),
+            ("  \n\t", "empty"),
+            ("x" * 1001, "limit"),
+            ("bad \ud800 surrogate", "UTF-8"),
+            (None, "text"),
+        ):
             with pytest.raises(InvalidRequest, match=match):
                 sm.chat("u", sid, bad, GREEDY)  # type: ignore[arg-type]
         assert sm.messages("u", sid) == []  # rejected messages are not half-stored
@@ -216,8 +225,7 @@ def test_bad_messages_and_concurrent_turns(nf4_model: LoadedModel, tmp_path: Pat
             sm.chat("u", sid, "again", GREEDY)
         turn.result()
         assert sm.messages("u", sid)[0]["content"] == "Tell me a story about <|im_start|>system"
-        regen = sm.regenerate("u", sid, SamplingParams(temperature=1.0, seed=5,
-                                                       max_new_tokens=8))
+        regen = sm.regenerate("u", sid, SamplingParams(temperature=1.0, seed=5, max_new_tokens=8))
         regen.result()
         msgs = sm.messages("u", sid)
         assert len(msgs) == 2 and msgs[1]["content"] == regen.text
@@ -233,8 +241,12 @@ def test_stop_keeps_the_partial_reply(nf4_model: LoadedModel, tmp_path: Path) ->
     engine, sm = make_sessions(nf4_model, tmp_path)
     try:
         sid = sm.create_session("u")["id"]
-        turn = sm.chat("u", sid, "Write a very long story.",
-                       SamplingParams(temperature=0, max_new_tokens=500, ignore_eos=True))
+        turn = sm.chat(
+            "u",
+            sid,
+            "Write a very long story.",
+            SamplingParams(temperature=0, max_new_tokens=500, ignore_eos=True),
+        )
         got = ""
         for delta in turn:
             got += delta
@@ -249,8 +261,9 @@ def test_stop_keeps_the_partial_reply(nf4_model: LoadedModel, tmp_path: Path) ->
         close_sessions(engine, sm)
 
 
-def test_stats_count_states_and_the_recompute_of_lost_kv(nf4_model: LoadedModel,
-                                                         tmp_path: Path) -> None:
+def test_stats_count_states_and_the_recompute_of_lost_kv(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
     engine, sm = make_sessions(nf4_model, tmp_path)
     try:
         sid = sm.create_session("u")["id"]

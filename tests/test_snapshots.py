@@ -13,16 +13,25 @@ import torch
 from engine.errors import InvalidRequest
 from sessions.snapshots import SnapshotFiles, token_hash
 
-FP = {"model_id": "m", "weights_hash": "abc", "dtype": "bfloat16", "block_size": 16,
-      "num_layers": 2, "num_kv_heads": 3, "head_dim": 4}
+FP = {
+    "model_id": "m",
+    "weights_hash": "abc",
+    "dtype": "bfloat16",
+    "block_size": 16,
+    "num_layers": 2,
+    "num_kv_heads": 3,
+    "head_dim": 4,
+}
 IDS = [1, 50, 7, 99, 1000]
 
 
 def kv(dtype: torch.dtype, tokens: int = len(IDS)) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     shape = (FP["num_layers"], tokens, FP["num_kv_heads"], FP["head_dim"])  # [L, T, H, D]
-    return (torch.randn(shape, generator=gen).to(dtype),
-            torch.randn(shape, generator=gen).to(dtype))
+    return (
+        torch.randn(shape, generator=gen).to(dtype),
+        torch.randn(shape, generator=gen).to(dtype),
+    )
 
 
 @pytest.fixture
@@ -41,7 +50,7 @@ def data_offset(path: Path, tensor: str) -> int:
     """Where `tensor`'s bytes start in the file (parsed from the safetensors header)."""
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    return 8 + n + json.loads(raw[8:8 + n])[tensor]["data_offsets"][0]
+    return 8 + n + json.loads(raw[8 : 8 + n])[tensor]["data_offsets"][0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -84,7 +93,7 @@ def test_truncated_is_none(written: Path, files: SnapshotFiles, keep: int) -> No
 @pytest.mark.parametrize("offset", [3, 8, 20])  # length prefix, JSON opening, JSON body
 def test_corrupted_header_is_none(written: Path, files: SnapshotFiles, offset: int) -> None:
     raw = bytearray(written.read_bytes())
-    raw[offset:offset + 4] = b"\xff\xfe\x00\x7f"
+    raw[offset : offset + 4] = b"\xff\xfe\x00\x7f"
     written.write_bytes(bytes(raw))
     assert files.read("s1", FP, None) is None
 

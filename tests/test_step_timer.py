@@ -6,8 +6,18 @@ from engine.budget import StepTimer
 from engine.metrics import Histogram
 
 # synthetic steps: 10 ms fixed, 0.5 ms per token, 0.001 ms per query-key pair
-STEPS = [(16, 2000), (64, 9000), (128, 60000), (256, 150000), (300, 20000), (40, 300),
-         (200, 90000), (100, 5000), (500, 400000), (8, 1200)]
+STEPS = [
+    (16, 2000),
+    (64, 9000),
+    (128, 60000),
+    (256, 150000),
+    (300, 20000),
+    (40, 300),
+    (200, 90000),
+    (100, 5000),
+    (500, 400000),
+    (8, 1200),
+]
 
 
 def cost(n: int, work: float) -> float:

@@ -38,11 +38,19 @@ def test_three_clients_chat_at_once_and_see_only_their_own(server: tuple) -> Non
 
     def chat(i: int) -> None:
         client = Client(url, verbose=False)
-        out = client.predict(f"Tell me a long story about the number {i}.", users[i], "",
-                             0.0, 1.0, 96, api_name="/on_send")
+        out = client.predict(
+            f"Tell me a long story about the number {i}.",
+            users[i],
+            "",
+            0.0,
+            1.0,
+            96,
+            api_name="/on_send",
+        )
         results[i] = reply_text(out[0])
-        follow = client.predict("Thanks! One more sentence please.", users[i], "", 0.0, 1.0,
-                                16, api_name="/on_send")
+        follow = client.predict(
+            "Thanks! One more sentence please.", users[i], "", 0.0, 1.0, 16, api_name="/on_send"
+        )
         results[i] = reply_text(follow[0])
 
     threads = [threading.Thread(target=chat, args=(i,)) for i in range(3)]
@@ -56,8 +64,9 @@ def test_three_clients_chat_at_once_and_see_only_their_own(server: tuple) -> Non
         assert history[0][1] == f"Tell me a long story about the number {i}."
         assert all(text for _, text in history)
         sessions = sm.list_sessions(f"browser:{users[i]}")
-        assert len(sessions) == 1 and len(sm.messages(f"browser:{users[i]}",
-                                                     sessions[0]["id"])) == 4
+        assert (
+            len(sessions) == 1 and len(sm.messages(f"browser:{users[i]}", sessions[0]["id"])) == 4
+        )
     assert engine.stats().max_batch_seen > 1  # they really shared forward passes
 
 
@@ -87,9 +96,17 @@ def test_admin_needs_the_password(server: tuple) -> None:
 def test_database_and_snapshots_are_never_served(server: tuple) -> None:
     url, _, sm = server
     db = sm.store.path.resolve()
-    paths = ["/crowdchat.db", "/snapshots/", "/../crowdchat.db", f"/gradio_api/file={db}",
-             "/gradio_api/file=crowdchat.db", f"/file={db}", "/static/../crowdchat.db",
-             "/gradio_api/file=../../etc/passwd", "/%2e%2e/%2e%2e/etc/passwd"]
+    paths = [
+        "/crowdchat.db",
+        "/snapshots/",
+        "/../crowdchat.db",
+        f"/gradio_api/file={db}",
+        "/gradio_api/file=crowdchat.db",
+        f"/file={db}",
+        "/static/../crowdchat.db",
+        "/gradio_api/file=../../etc/passwd",
+        "/%2e%2e/%2e%2e/etc/passwd",
+    ]
     with httpx.Client(base_url=url) as http:
         for path in paths:
             r = http.get(path)
@@ -108,8 +125,15 @@ def test_a_client_that_goes_away_frees_its_slot(server: tuple) -> None:
     import time
 
     client = Client(url, verbose=False)
-    job = client.submit("Write an endless story about the sea.", secrets.token_hex(16), "",
-                        0.0, 1.0, 2000, api_name="/on_send")
+    job = client.submit(
+        "Write an endless story about the sea.",
+        secrets.token_hex(16),
+        "",
+        0.0,
+        1.0,
+        2000,
+        api_name="/on_send",
+    )
     deadline = time.time() + 60
     while engine.stats().running == 0 and time.time() < deadline:
         time.sleep(0.1)

@@ -25,16 +25,19 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(loaded: LoadedModel, data_dir: Path, engine_overrides: dict | None = None,
-                   **app_overrides: object) -> Iterator[tuple[str, object, object]]:
+def running_server(
+    loaded: LoadedModel,
+    data_dir: Path,
+    engine_overrides: dict | None = None,
+    **app_overrides: object,
+) -> Iterator[tuple[str, object, object]]:
     """Yields (base url, engine, session manager) of a live server; stops it afterwards."""
     engine, sm = make_sessions(loaded, data_dir, engine_overrides)
     settings: dict[str, object] = {"admin_password": ADMIN_PASSWORD}
     settings.update(app_overrides)
     app, monitor = build_app(engine, sm, AppConfig(**settings), data_dir)  # type: ignore[arg-type]
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 30

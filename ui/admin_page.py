@@ -12,9 +12,13 @@ from ui.monitor import Monitor, memory
 
 MB = 2**20
 REFRESH_S = 1.5
-PARTS = (("model", "Model weights", "#6366f1"), ("kv_used", "KV used", "#f97316"),
-         ("kv_free", "KV free", "#fdba74"), ("other", "Other", "#94a3b8"),
-         ("free", "Free", "#e2e8f0"))
+PARTS = (
+    ("model", "Model weights", "#6366f1"),
+    ("kv_used", "KV used", "#f97316"),
+    ("kv_free", "KV free", "#fdba74"),
+    ("other", "Other", "#94a3b8"),
+    ("free", "Free", "#e2e8f0"),
+)
 
 
 def memory_bar(monitor: Monitor) -> str:
@@ -25,13 +29,17 @@ def memory_bar(monitor: Monitor) -> str:
         value = getattr(m, key)
         pct = 100 * value / m.total if m.total else 0
         segs.append(f'<div title="{label}" style="width:{pct:.3f}%;background:{color}"></div>')
-        legend.append(f'<span class="cc-key"><i style="background:{color}"></i>{label} '
-                      f'<b>{value / MB:,.1f} MB</b></span>')
+        legend.append(
+            f'<span class="cc-key"><i style="background:{color}"></i>{label} '
+            f"<b>{value / MB:,.1f} MB</b></span>"
+        )
     detail = " · ".join(f"{k.replace('_', ' ')} {v / MB:,.0f} MB" for k, v in m.detail.items())
-    return (f'<div class="cc-mem"><div class="cc-title">Device memory: {m.device}, '
-            f'{m.total / MB:,.0f} MB total</div><div class="cc-bar">{"".join(segs)}</div>'
-            f'<div class="cc-legend">{"".join(legend)}</div><div class="cc-detail">{detail}'
-            f'</div></div>')
+    return (
+        f'<div class="cc-mem"><div class="cc-title">Device memory: {m.device}, '
+        f'{m.total / MB:,.0f} MB total</div><div class="cc-bar">{"".join(segs)}</div>'
+        f'<div class="cc-legend">{"".join(legend)}</div><div class="cc-detail">{detail}'
+        f"</div></div>"
+    )
 
 
 def totals(monitor: Monitor, sessions: SessionManager, length: float) -> str:
@@ -65,29 +73,59 @@ def fmt(seconds: float | None) -> str:
 
 
 def series(monitor: Monitor, columns: list[str]) -> pd.DataFrame:
-    rows = [{"time": dt.datetime.fromtimestamp(r["time"]), "metric": c, "value": r[c]}
-            for r in list(monitor.samples) for c in columns]
+    rows = [
+        {"time": dt.datetime.fromtimestamp(r["time"]), "metric": c, "value": r[c]}
+        for r in list(monitor.samples)
+        for c in columns
+    ]
     return pd.DataFrame(rows, columns=["time", "metric", "value"])
 
 
 def sessions_table(sessions: SessionManager) -> pd.DataFrame:
-    rows = [{"id": f.id[:12], "owner": f.owner.split(":")[0] + ":" + f.owner[-6:],
-             "title": f.title[:40], "state": f.state, "tokens": f.tokens,
-             "resident KV MB": round(f.resident_bytes / MB, 2),
-             "snapshot MB": round(f.snapshot_bytes / MB, 2), "idle s": round(f.idle_s)}
-            for f in sessions.facts()]
-    return pd.DataFrame(rows, columns=["id", "owner", "title", "state", "tokens",
-                                       "resident KV MB", "snapshot MB", "idle s"])
+    rows = [
+        {
+            "id": f.id[:12],
+            "owner": f.owner.split(":")[0] + ":" + f.owner[-6:],
+            "title": f.title[:40],
+            "state": f.state,
+            "tokens": f.tokens,
+            "resident KV MB": round(f.resident_bytes / MB, 2),
+            "snapshot MB": round(f.snapshot_bytes / MB, 2),
+            "idle s": round(f.idle_s),
+        }
+        for f in sessions.facts()
+    ]
+    return pd.DataFrame(
+        rows,
+        columns=[
+            "id",
+            "owner",
+            "title",
+            "state",
+            "tokens",
+            "resident KV MB",
+            "snapshot MB",
+            "idle s",
+        ],
+    )
 
 
 def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
     """The live admin page (refreshes every 1.5 s)."""
-    plots = {"Batch and queue": ["batch", "queue"], "Generated tokens/s": ["tokens_per_s"],
-             "KV blocks used": ["kv_blocks_used"], "TTFT p50 (s)": ["ttft_p50_s"]}
+    plots = {
+        "Batch and queue": ["batch", "queue"],
+        "Generated tokens/s": ["tokens_per_s"],
+        "KV blocks used": ["kv_blocks_used"],
+        "TTFT p50 (s)": ["ttft_p50_s"],
+    }
 
     def refresh(length: float):  # noqa: ANN202
-        return (memory_bar(monitor), totals(monitor, sessions, length),
-                *(series(monitor, cols) for cols in plots.values()), sessions_table(sessions))
+        return (
+            memory_bar(monitor),
+            totals(monitor, sessions, length),
+            *(series(monitor, cols) for cols in plots.values()),
+            sessions_table(sessions),
+        )
 
     def act(action: str, prefix: str) -> str:
         prefix = (prefix or "").strip()
@@ -107,13 +145,27 @@ def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
     with gr.Blocks(title="crowdchat admin") as demo:
         gr.Markdown("## crowdchat · admin")
         mem = gr.HTML(elem_id="memory")
-        length = gr.Number(2000, label="Conversation length for the capacity hint (tokens)",
-                           minimum=1, maximum=10**6, precision=0)
+        length = gr.Number(
+            2000,
+            label="Conversation length for the capacity hint (tokens)",
+            minimum=1,
+            maximum=10**6,
+            precision=0,
+        )
         summary = gr.Markdown(elem_id="totals")
         with gr.Row():
-            lines = [gr.LinePlot(x="time", y="value", color="metric", title=title,
-                                 height=220, x_title="", y_title="")
-                     for title in plots]
+            lines = [
+                gr.LinePlot(
+                    x="time",
+                    y="value",
+                    color="metric",
+                    title=title,
+                    height=220,
+                    x_title="",
+                    y_title="",
+                )
+                for title in plots
+            ]
         table = gr.Dataframe(label="Sessions", interactive=False, elem_id="sessions")
         with gr.Row():
             target = gr.Textbox(label="Session id (or a unique prefix)", scale=3)
@@ -125,8 +177,6 @@ def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
         timer = gr.Timer(REFRESH_S)
         timer.tick(refresh, [length], outputs, show_progress="hidden", concurrency_limit=None)
         demo.load(refresh, [length], outputs, concurrency_limit=None)
-        for btn, action in ((persist_btn, "persist"), (drop_btn, "drop"),
-                            (delete_btn, "delete")):
-            btn.click(lambda p, a=action: act(a, p), [target], [result],
-                      concurrency_limit=None)
+        for btn, action in ((persist_btn, "persist"), (drop_btn, "drop"), (delete_btn, "delete")):
+            btn.click(lambda p, a=action: act(a, p), [target], [result], concurrency_limit=None)
     return demo

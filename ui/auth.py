@@ -56,6 +56,7 @@ def users_checker(path: Path) -> Callable[[str, str], bool]:
             verify_password(password, hash_password("x"))  # same time for unknown names
             return False
         return verify_password(password, stored)
+
     return check
 
 
@@ -66,6 +67,7 @@ def admin_checker(admin_password: str) -> Callable[[str, str], bool]:
     def check(username: str, password: str) -> bool:
         got = hashlib.sha256(password.encode()).digest()
         return hmac.compare_digest(got, want) & hmac.compare_digest(username, "admin")
+
     return check
 
 

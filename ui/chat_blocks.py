@@ -26,49 +26,92 @@ def build_chat_blocks(page: ChatPage, concurrency: int) -> gr.Blocks:
                         rename_btn = gr.Button("Rename", size="sm")
                         delete_btn = gr.Button("Delete", size="sm", variant="stop")
             with gr.Column(scale=4, min_width=320):
-                chatbot = gr.Chatbot(label="Chat", elem_id="chatbot", height="62vh",
-                                     buttons=["copy"],
-                                     placeholder="Say hello to start a conversation.")
+                chatbot = gr.Chatbot(
+                    label="Chat",
+                    elem_id="chatbot",
+                    height="62vh",
+                    buttons=["copy"],
+                    placeholder="Say hello to start a conversation.",
+                )
                 status = gr.Markdown("", elem_id="status")
                 with gr.Row(elem_id="composer"):
-                    box = gr.Textbox(placeholder="Type a message…", show_label=False, scale=8,
-                                     lines=1, max_lines=8, elem_id="message", autofocus=True)
+                    box = gr.Textbox(
+                        placeholder="Type a message…",
+                        show_label=False,
+                        scale=8,
+                        lines=1,
+                        max_lines=8,
+                        elem_id="message",
+                        autofocus=True,
+                    )
                     send_btn = gr.Button("Send", variant="primary", scale=1, elem_id="send")
                     stop_btn = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
                 with gr.Row():
                     regen_btn = gr.Button("↻ Regenerate", size="sm", elem_id="regenerate")
                     edit_btn = gr.Button("✎ Edit last message", size="sm", elem_id="edit")
                 with gr.Accordion("Settings", open=False, elem_id="settings"):
-                    system = gr.Textbox(label="System prompt", lines=2, elem_id="system",
-                                        info="Kept with this conversation.",
-                                        placeholder="e.g. You are a concise assistant.")
+                    system = gr.Textbox(
+                        label="System prompt",
+                        lines=2,
+                        elem_id="system",
+                        info="Kept with this conversation.",
+                        placeholder="e.g. You are a concise assistant.",
+                    )
                     temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature")
                     top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
-                    max_tokens = gr.Slider(16, 2048, value=512, step=16,
-                                           label="Max new tokens", elem_id="max-tokens")
+                    max_tokens = gr.Slider(
+                        16, 2048, value=512, step=16, label="Max new tokens", elem_id="max-tokens"
+                    )
 
         turn_outputs = [chatbot, status, box, sid, convos, editing]
         send_inputs = [box, user, sid, editing, system, temperature, top_p, max_tokens, screen]
         # "multiple": a reply still running in a conversation the user left must not block
         # Send in the one they opened (a second Send in a busy one is refused by the session)
         for trigger in (box.submit, send_btn.click):
-            trigger(page.on_send, send_inputs, turn_outputs, concurrency_limit=concurrency,
-                    concurrency_id="turns", show_progress="hidden", trigger_mode="multiple")
-        regen_btn.click(page.on_regenerate, [user, sid, temperature, top_p, max_tokens, screen],
-                        turn_outputs, concurrency_limit=concurrency, concurrency_id="turns",
-                        show_progress="hidden", trigger_mode="multiple")
-        stop_btn.click(page.on_stop, [user, sid], None, concurrency_limit=None,
-                       show_progress="hidden")
-        edit_btn.click(page.on_edit, [user, sid], [box, editing, status],
-                       concurrency_limit=None)
-        new_btn.click(page.on_new, [screen], [sid, chatbot, status, convos, system],
-                      concurrency_limit=None)
-        convos.input(page.on_select, [user, convos, screen], [sid, chatbot, status, system],
-                     concurrency_limit=None)
-        rename_btn.click(page.on_rename, [user, sid, title], [convos, title],
-                         concurrency_limit=None)
-        delete_btn.click(page.on_delete, [user, sid, screen], [sid, chatbot, convos, system],
-                         concurrency_limit=None)
-        demo.load(page.on_load, [user, screen], [user, convos, sid, chatbot, system],
-                  concurrency_limit=None)
+            trigger(
+                page.on_send,
+                send_inputs,
+                turn_outputs,
+                concurrency_limit=concurrency,
+                concurrency_id="turns",
+                show_progress="hidden",
+                trigger_mode="multiple",
+            )
+        regen_btn.click(
+            page.on_regenerate,
+            [user, sid, temperature, top_p, max_tokens, screen],
+            turn_outputs,
+            concurrency_limit=concurrency,
+            concurrency_id="turns",
+            show_progress="hidden",
+            trigger_mode="multiple",
+        )
+        stop_btn.click(
+            page.on_stop, [user, sid], None, concurrency_limit=None, show_progress="hidden"
+        )
+        edit_btn.click(page.on_edit, [user, sid], [box, editing, status], concurrency_limit=None)
+        new_btn.click(
+            page.on_new, [screen], [sid, chatbot, status, convos, system], concurrency_limit=None
+        )
+        convos.input(
+            page.on_select,
+            [user, convos, screen],
+            [sid, chatbot, status, system],
+            concurrency_limit=None,
+        )
+        rename_btn.click(
+            page.on_rename, [user, sid, title], [convos, title], concurrency_limit=None
+        )
+        delete_btn.click(
+            page.on_delete,
+            [user, sid, screen],
+            [sid, chatbot, convos, system],
+            concurrency_limit=None,
+        )
+        demo.load(
+            page.on_load,
+            [user, screen],
+            [user, convos, sid, chatbot, system],
+            concurrency_limit=None,
+        )
     return demo

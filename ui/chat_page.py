@@ -36,8 +36,12 @@ class Screen:
 class ChatPage:
     """Builds the Blocks and holds the handlers (plain methods, so they are easy to test)."""
 
-    def __init__(self, sessions: SessionManager, auth_enabled: bool = False,
-                 browser_secret: str | None = None) -> None:
+    def __init__(
+        self,
+        sessions: SessionManager,
+        auth_enabled: bool = False,
+        browser_secret: str | None = None,
+    ) -> None:
         self.sm = sessions
         self.auth_enabled = auth_enabled
         self.browser_secret = browser_secret or secrets.token_hex(16)
@@ -65,8 +69,7 @@ class ChatPage:
         history, system = self.opened(owner, sid) if sid else ([], "")
         return user, gr.update(choices=choices, value=sid), sid, history, system
 
-    def on_select(self, user: str, sid: str | None, screen: Screen,
-                  request: gr.Request):  # noqa: ANN201
+    def on_select(self, user: str, sid: str | None, screen: Screen, request: gr.Request):  # noqa: ANN201
         """Outputs: sid, chatbot, status, system prompt box. A reply still streaming in the
         conversation comes back on screen at its next delta (see _stream)."""
         owner = self.owner(user, request)
@@ -103,8 +106,7 @@ class ChatPage:
                 raise gr.Error(str(e)) from e
         return gr.update(choices=self.choices(owner), value=sid), ""
 
-    def on_delete(self, user: str, sid: str | None, screen: Screen,
-                  request: gr.Request):  # noqa: ANN201
+    def on_delete(self, user: str, sid: str | None, screen: Screen, request: gr.Request):  # noqa: ANN201
         owner = self.owner(user, request)
         screen.sid = None
         if sid:
@@ -125,20 +127,30 @@ class ChatPage:
         """Put the last user message back in the box; the next send replaces it."""
         if not sid:
             return gr.update(), False, ""
-        msgs = [m for m in self.sm.messages(self.owner(user, request), sid)
-                if m["role"] == "user"]
+        msgs = [m for m in self.sm.messages(self.owner(user, request), sid) if m["role"] == "user"]
         if not msgs:
             return gr.update(), False, ""
         return msgs[-1]["content"], True, "Editing your last message: change it and press Send."
 
     # -- turns --------------------------------------------------------------------------
     def params(self, temperature: float, top_p: float, max_tokens: float) -> SamplingParams:
-        return SamplingParams(temperature=float(temperature), top_p=float(top_p),
-                              max_new_tokens=int(max_tokens))
+        return SamplingParams(
+            temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_tokens)
+        )
 
-    def on_send(self, message: str, user: str, sid: str | None, editing: bool,
-                system_prompt: str, temperature: float, top_p: float, max_tokens: float,
-                screen: Screen, request: gr.Request) -> Iterator[tuple]:
+    def on_send(
+        self,
+        message: str,
+        user: str,
+        sid: str | None,
+        editing: bool,
+        system_prompt: str,
+        temperature: float,
+        top_p: float,
+        max_tokens: float,
+        screen: Screen,
+        request: gr.Request,
+    ) -> Iterator[tuple]:
         """Outputs: chatbot, status, textbox, sid, conversation list, editing."""
         owner = self.owner(user, request)
         try:
@@ -159,9 +171,16 @@ class ChatPage:
             return
         yield from self._stream(owner, sid, turn, screen, clear_box=True)
 
-    def on_regenerate(self, user: str, sid: str | None, temperature: float, top_p: float,
-                      max_tokens: float, screen: Screen,
-                      request: gr.Request) -> Iterator[tuple]:
+    def on_regenerate(
+        self,
+        user: str,
+        sid: str | None,
+        temperature: float,
+        top_p: float,
+        max_tokens: float,
+        screen: Screen,
+        request: gr.Request,
+    ) -> Iterator[tuple]:
         owner = self.owner(user, request)
         if not sid:
             yield [], "", gr.update(), sid, gr.update(), False
@@ -169,13 +188,20 @@ class ChatPage:
         try:
             turn = self.sm.regenerate(owner, sid, self.params(temperature, top_p, max_tokens))
         except CrowdchatError as e:
-            yield to_chatbot(self.sm.messages(owner, sid)), f"Error: {e}", gr.update(), sid, \
-                gr.update(), False
+            yield (
+                to_chatbot(self.sm.messages(owner, sid)),
+                f"Error: {e}",
+                gr.update(),
+                sid,
+                gr.update(),
+                False,
+            )
             return
         yield from self._stream(owner, sid, turn, screen, clear_box=False)
 
-    def _stream(self, owner: str, sid: str, turn: ChatTurn, screen: Screen,
-                clear_box: bool) -> Iterator[tuple]:
+    def _stream(
+        self, owner: str, sid: str, turn: ChatTurn, screen: Screen, clear_box: bool
+    ) -> Iterator[tuple]:
         """Run the turn on a thread; yield the growing reply, and the status while waiting.
         Only while `sid` is on screen: after the user opened another conversation the turn
         runs on (and is committed) but every yield changes nothing, not even the tab's sid,
@@ -190,8 +216,14 @@ class ChatPage:
         def paint(status: str, box: object = None, convos: object = None) -> tuple:
             if screen.sid != sid:
                 return (gr.skip(),) * 6
-            return (history, status, gr.skip() if box is None else box, sid,
-                    gr.skip() if convos is None else convos, False)
+            return (
+                history,
+                status,
+                gr.skip() if box is None else box,
+                sid,
+                gr.skip() if convos is None else convos,
+                False,
+            )
 
         try:
             yield paint(self.status(turn), box, choices)
@@ -206,8 +238,7 @@ class ChatPage:
                         return
                     case End():
                         note = "Stopped." if turn.finish_reason == "cancelled" else ""
-                        yield paint(note, convos=gr.update(choices=self.choices(owner),
-                                                           value=sid))
+                        yield paint(note, convos=gr.update(choices=self.choices(owner), value=sid))
                         return
                     case None:
                         yield paint(self.status(turn))

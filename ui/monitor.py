@@ -40,16 +40,34 @@ def memory(engine: Engine) -> Memory:
     dev = engine.loaded.device
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
-        detail = {"allocated": torch.cuda.memory_allocated(dev),
-                  "reserved": torch.cuda.memory_reserved(dev)}
+        detail = {
+            "allocated": torch.cuda.memory_allocated(dev),
+            "reserved": torch.cuda.memory_reserved(dev),
+        }
         other = max(total - free - s.model_bytes - s.kv_bytes, 0)
-        return Memory(f"cuda ({torch.cuda.get_device_name(dev)})", total, s.model_bytes,
-                      kv_used, kv_free, other, free, detail)
+        return Memory(
+            f"cuda ({torch.cuda.get_device_name(dev)})",
+            total,
+            s.model_bytes,
+            kv_used,
+            kv_free,
+            other,
+            free,
+            detail,
+        )
     vm = psutil.virtual_memory()
     rss = psutil.Process().memory_info().rss
     other = max(vm.total - vm.available - s.model_bytes - s.kv_bytes, 0)
-    return Memory("cpu (RAM)", vm.total, s.model_bytes, kv_used, kv_free, other,
-                  vm.available, {"process_rss": rss, "system_available": vm.available})
+    return Memory(
+        "cpu (RAM)",
+        vm.total,
+        s.model_bytes,
+        kv_used,
+        kv_free,
+        other,
+        vm.available,
+        {"process_rss": rss, "system_available": vm.available},
+    )
 
 
 class Monitor:
@@ -66,8 +84,11 @@ class Monitor:
     def sample(self) -> dict[str, float]:
         s = self.engine.stats()
         row = {
-            "time": time.time(), "batch": s.running, "queue": s.waiting,
-            "tokens_per_s": round(s.tokens_per_s, 1), "kv_blocks_used": s.blocks_used,
+            "time": time.time(),
+            "batch": s.running,
+            "queue": s.waiting,
+            "tokens_per_s": round(s.tokens_per_s, 1),
+            "kv_blocks_used": s.blocks_used,
             "kv_used_frac": s.blocks_used / s.blocks_total,
             "ttft_p50_s": s.ttft_p50_s or 0.0,
         }
@@ -79,26 +100,36 @@ class Monitor:
         recent = [r for r in self.samples if r["time"] >= time.time() - 30]
         out = []
         if len(recent) >= 5 and min(r["kv_used_frac"] for r in recent) > 0.9:
-            out.append("KV pool above 90% for 30 s: idle sessions are being evicted; lower "
-                       "--max-num-seqs, quantize harder or add memory.")
+            out.append(
+                "KV pool above 90% for 30 s: idle sessions are being evicted; lower "
+                "--max-num-seqs, quantize harder or add memory."
+            )
         if len(recent) >= 5 and min(r["queue"] for r in recent) > 0:
-            out.append("Requests have been queueing for 30 s: the server is at capacity; "
-                       "raise the KV budget or add capacity.")
+            out.append(
+                "Requests have been queueing for 30 s: the server is at capacity; "
+                "raise the KV budget or add capacity."
+            )
         st = self.sessions.stats()
         engine = self.engine.stats()
         if not engine.alive:
-            out.append(f"ENGINE DOWN: {engine.failure or 'stopped'}. Every request fails "
-                       "until the server restarts.")
+            out.append(
+                f"ENGINE DOWN: {engine.failure or 'stopped'}. Every request fails "
+                "until the server restarts."
+            )
         if not st.kv_writer_healthy:
-            out.append(f"KV writer unhealthy ({st.kv_writer_restarts} restarts): evicted "
-                       "sessions' KV is not reaching the disk; see the log.")
+            out.append(
+                f"KV writer unhealthy ({st.kv_writer_restarts} restarts): evicted "
+                "sessions' KV is not reaching the disk; see the log."
+            )
         if st.last_snapshot_error:
             out.append(f"Snapshot error: {st.last_snapshot_error}")
         for sid, why in list(st.persist_backoff.items())[:5]:
             out.append(f"Session {sid[:8]} cannot be persisted: {why}")
         if st.restore_errors:
-            out.append(f"{st.restore_errors} restore(s) failed unexpectedly (the sessions "
-                       f"recomputed); last: {st.last_restore_error}")
+            out.append(
+                f"{st.restore_errors} restore(s) failed unexpectedly (the sessions "
+                f"recomputed); last: {st.last_restore_error}"
+            )
         return out
 
     def fits(self, tokens: int) -> int:
