@@ -18,12 +18,12 @@ from engine.block_pool import BlockPool
 from engine.budget import TokenBudget
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineStopped, InvalidRequest, ServerBusy
+from engine.errors import EngineStopped, ServerBusy
 from engine.handle import RequestHandle
 from engine.kv_cache import KVCache, bytes_per_token, pool_blocks
 from engine.loader import LoadedModel, load_model
 from engine.messages import Call, Cancel, Message, Stop, Submit
-from engine.metrics import EngineStats, Metrics, percentile
+from engine.metrics import EngineStats, Metrics, engine_stats
 from engine.model_runner import ModelRunner, RunnerFactory
 from engine.output import OutputProcessor, Request
 from engine.resident import KVExport
@@ -79,7 +79,7 @@ class Engine:
         )
         self._inbox: queue.Queue[Message] = queue.Queue()
         # Published by the engine thread after each step, read by stats() from any thread.
-        self._gauges: tuple[int, int, int] = (0, 0, 0)
+        self.gauges: tuple[int, int, int] = (0, 0, 0)
         self._queue_positions: dict[int, int] = {}
         self._running_ids: frozenset[int] = frozenset()
         log.info(
@@ -139,47 +139,23 @@ class Engine:
         return [h.token_ids for h in handles]
 
     @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet admitted or ended (what --max-queue caps)."""
+        return self._pending
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine thread died (None while it serves)."""
+        return self._failure
+
+    @property
     def alive(self) -> bool:
         """False once the engine thread has died (see `stats().failure`) or was shut down."""
         return self._thread.is_alive() and self._failure is None
 
     def stats(self) -> EngineStats:
         """A snapshot for the admin page and metrics."""
-        m, now = self.metrics, time.monotonic()
-        running, resident_owners, resident_blocks = self._gauges
-        with m.lock:
-            return EngineStats(
-                running=running,
-                waiting=self._pending,
-                blocks_total=self.pool.num_blocks,
-                blocks_used=self.pool.num_used,
-                blocks_free=self.pool.num_free,
-                block_size=self.pool.block_size,
-                resident_owners=resident_owners,
-                resident_blocks=resident_blocks,
-                kv_bytes=self.cache.nbytes,
-                kv_bytes_per_token=self.kv_bytes_per_token,
-                model_bytes=self.loaded.model_bytes,
-                max_model_len=self.max_model_len,
-                tokens_per_s=m.tokens_per_s(now),
-                prompt_tokens_total=m.prompt_tokens,
-                generated_tokens_total=m.generated_tokens,
-                ttft_p50_s=percentile(m.ttft, 50),
-                ttft_p95_s=percentile(m.ttft, 95),
-                itl_p50_s=percentile(m.itl, 50),
-                itl_p95_s=percentile(m.itl, 95),
-                step_ms_p50=percentile(m.step_ms, 50),
-                token_budget=self.budget.last,
-                requests_finished=m.finished,
-                requests_failed=m.failed,
-                requests_rejected=m.rejected,
-                preemptions=self.scheduler.num_preemptions,
-                resident_dropped=self.scheduler.num_resident_dropped,
-                steps=m.steps,
-                max_batch_seen=m.max_batch,
-                alive=self.alive,
-                failure=self._failure,
-            )
+        return engine_stats(self)
 
     def queue_position(self, handle: RequestHandle) -> int | None:
         """How many requests wait ahead of this one (None once it runs or ended)."""
@@ -200,18 +176,11 @@ class Engine:
         return self._call(lambda: self.scheduler.resident.export(owner, self.cache))
 
     def import_kv(self, owner: str, kv: KVExport) -> bool:
-        """Make exported KV resident for `owner` again; False if the pool cannot hold it."""
-        n = len(kv.token_ids)
-        shape = (self.loaded.num_layers, n, self.loaded.num_kv_heads, self.loaded.head_dim)
-        if n == 0 or tuple(kv.k.shape) != shape or tuple(kv.v.shape) != shape:
-            raise InvalidRequest(
-                f"KV of shape {tuple(kv.k.shape)} does not fit this model (expected {shape})"
-            )
-        return self._call(
-            lambda: self.scheduler.resident.load(
-                owner, kv, self.cache, lambda need: self.scheduler.reclaim(need, keep_owner=owner)
-            )
-        )
+        """Make exported KV resident for `owner` again; False if the pool cannot hold it.
+        Raises InvalidRequest if its shape does not fit this model."""
+        sched = self.scheduler
+        reclaim = lambda need: sched.reclaim(need, keep_owner=owner)  # noqa: E731
+        return self._call(lambda: sched.resident.load(owner, kv, self.cache, reclaim))
 
     def drop_kv(self, owner: str) -> bool:
         """Free an owner's resident KV; True if it had any."""
@@ -219,15 +188,7 @@ class Engine:
 
     def resident_kv(self) -> dict[str, tuple[int, int, float]]:
         """owner -> (tokens, blocks, seconds idle) of every resident KV."""
-
-        def run() -> dict[str, tuple[int, int, float]]:
-            now = time.monotonic()
-            return {
-                o: (len(e.token_ids), len(e.block_table), now - e.last_used)
-                for o, e in self.scheduler.resident.items()
-            }
-
-        return self._call(run)
+        return self._call(self.scheduler.resident.summary)
 
     def check_integrity(self) -> None:
         """Assert exact block accounting (runs on the engine thread)."""
@@ -350,6 +311,6 @@ class Engine:
 
     def _publish(self) -> None:
         sched = self.scheduler
-        self._gauges = (len(sched.running), len(sched.resident), sched.resident.num_blocks)
+        self.gauges = (len(sched.running), len(sched.resident), sched.resident.num_blocks)
         self._queue_positions = {s.seq_id: i for i, s in enumerate(sched.waiting)}
         self._running_ids = frozenset(s.seq_id for s in sched.running)

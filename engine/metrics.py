@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
 
 WINDOW_S = 10.0  # tokens/s is measured over this trailing window
 SAMPLES = 2048  # latency samples kept for percentiles
@@ -118,3 +123,42 @@ class Metrics:
             return 0.0
         span = min(WINDOW_S, max(now - self.token_times[0][0], 1e-3))
         return sum(recent) / span
+
+
+def engine_stats(engine: Engine) -> EngineStats:
+    """A consistent snapshot of the engine's gauges and counters (any thread)."""
+    m, now = engine.metrics, time.monotonic()
+    running, resident_owners, resident_blocks = engine.gauges
+    with m.lock:
+        return EngineStats(
+            running=running,
+            waiting=engine.num_waiting,
+            blocks_total=engine.pool.num_blocks,
+            blocks_used=engine.pool.num_used,
+            blocks_free=engine.pool.num_free,
+            block_size=engine.pool.block_size,
+            resident_owners=resident_owners,
+            resident_blocks=resident_blocks,
+            kv_bytes=engine.cache.nbytes,
+            kv_bytes_per_token=engine.kv_bytes_per_token,
+            model_bytes=engine.loaded.model_bytes,
+            max_model_len=engine.max_model_len,
+            tokens_per_s=m.tokens_per_s(now),
+            prompt_tokens_total=m.prompt_tokens,
+            generated_tokens_total=m.generated_tokens,
+            ttft_p50_s=percentile(m.ttft, 50),
+            ttft_p95_s=percentile(m.ttft, 95),
+            itl_p50_s=percentile(m.itl, 50),
+            itl_p95_s=percentile(m.itl, 95),
+            step_ms_p50=percentile(m.step_ms, 50),
+            token_budget=engine.budget.last,
+            requests_finished=m.finished,
+            requests_failed=m.failed,
+            requests_rejected=m.rejected,
+            preemptions=engine.scheduler.num_preemptions,
+            resident_dropped=engine.scheduler.num_resident_dropped,
+            steps=m.steps,
+            max_batch_seen=m.max_batch,
+            alive=engine.alive,
+            failure=engine.failure,
+        )

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.block_pool import BlockPool
+from engine.errors import InvalidRequest
 from engine.kv_cache import KVCache
 
 
@@ -119,10 +120,24 @@ class ResidentCache:
         k, v = cache.export(entry.block_table, len(entry.token_ids))
         return KVExport(list(entry.token_ids), k, v)
 
+    def summary(self) -> dict[str, tuple[int, int, float]]:
+        """owner -> (tokens, blocks, seconds idle) of every entry."""
+        now = time.monotonic()
+        return {
+            o: (len(e.token_ids), len(e.block_table), now - e.last_used)
+            for o, e in self._entries.items()
+        }
+
     def load(
         self, owner: str, kv: KVExport, cache: KVCache, reclaim: Callable[[int], bool]
     ) -> bool:
         """Make `kv` the owner's resident KV; False if `reclaim` cannot free enough blocks."""
+        _, layers, heads, _, dim = cache.data.shape
+        shape = (layers, len(kv.token_ids), heads, dim)
+        if not kv.token_ids or tuple(kv.k.shape) != shape or tuple(kv.v.shape) != shape:
+            raise InvalidRequest(
+                f"KV of shape {tuple(kv.k.shape)} does not fit this model (expected {shape})"
+            )
         self.drop(owner)
         need = self.pool.blocks_for(len(kv.token_ids))
         if not reclaim(need):
