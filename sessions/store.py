@@ -164,7 +164,7 @@ class Store:
             if fields:
                 db.table("sessions").update(session_id, fields)
 
-        self._write(write)
+        self.sql.write(write)
 
     def messages(self, session_id: str) -> list[dict]:
         """The session's messages in the order they were added."""

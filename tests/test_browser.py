@@ -112,6 +112,21 @@ def session_titled(sm: object, title: str, replies: int, timeout: float = 300) -
     raise AssertionError(f"no conversation {title!r} with {replies} replies")
 
 
+def loaded(page: Page) -> Page:
+    """Wait until the page's load handler has given this browser its identity (a Send
+    before that is refused with "Your browser identity is missing")."""
+    page.wait_for_function(
+        "() => window.localStorage.getItem('crowdchat_user') !== null", timeout=60_000
+    )
+    return page
+
+
+def set_max_tokens(page: Page, n: int) -> None:
+    box = page.locator("#max-tokens input[type=number]")
+    box.fill(str(n))
+    box.press("Tab")
+
+
 def open_settings(page: Page) -> None:
     page.locator("#settings").get_by_role("button").first.click()
     expect(page.locator("#system textarea")).to_be_visible(timeout=10_000)
@@ -122,6 +137,7 @@ def test_system_prompt_survives_a_reload_and_the_next_send(browser: Browser, ser
     context = browser.new_context(viewport={"width": 1100, "height": 900})
     page = context.new_page()
     page.goto(url + "/")
+    loaded(page)
     open_settings(page)
     page.locator("#system textarea").fill("You are a pirate.")
     short = page.locator("#max-tokens input[type=number]")  # a short reply on a slow CPU
@@ -151,9 +167,13 @@ def test_a_reply_streams_only_into_the_conversation_on_screen(
     context = browser.new_context(viewport={"width": 1100, "height": 900})
     page = context.new_page()
     page.goto(url + "/")
+    loaded(page)
+    open_settings(page)
+    set_max_tokens(page, 16)  # a short first reply on a slow CPU
     page.locator("#message textarea").fill("Name one colour.")
     page.locator("#send").click()
     session_titled(sm, "Name one colour", replies=1)
+    set_max_tokens(page, 1024)  # the story must still run when the user comes back to it
     page.locator("#new-chat").click()
     page.locator("#message textarea").fill("Write a long story about a lighthouse keeper.")
     page.locator("#send").click()

@@ -143,7 +143,7 @@ def test_random_crowds_get_exact_replies_and_exact_accounting(
     seed: int, requests: int, blocks: int, settings: dict
 ) -> None:
     crowd = simulate(seed, requests, blocks, **settings)
-    assert len(crowd.sent) > requests // 5 and len(crowd.sent) + crowd.rejected == requests
+    assert len(crowd.sent) >= requests // 10 and len(crowd.sent) + crowd.rejected == requests
     reasons = {s.handle.finish_reason for s in crowd.sent}
     assert FinishReason.CANCELLED in reasons and FinishReason.LENGTH in reasons
 

@@ -98,14 +98,14 @@ def test_a_regenerate_or_edit_the_server_turns_away_leaves_the_conversation_as_i
 
 def count_writes(sm: object, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A counter of the store's write transactions (one writer job each)."""
-    store = sm.store  # type: ignore[attr-defined]
-    real, count = store._write, [0]
+    worker = sm.store.sql  # type: ignore[attr-defined]
+    real, count = worker.write, [0]
 
     def counted(fn: object) -> object:
         count[0] += 1
         return real(fn)
 
-    monkeypatch.setattr(store, "_write", counted)
+    monkeypatch.setattr(worker, "write", counted)
     return count
 
 
