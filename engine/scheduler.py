@@ -8,14 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
-from engine.resident import ResidentCache, ResidentKV, common_prefix
+from engine.resident import ResidentCache, ResidentKV
 from engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
 MIN_PREFILL_CHUNK = 16  # prefill always progresses, even when decodes fill the token budget
 
-__all__ = ["MIN_PREFILL_CHUNK", "ResidentKV", "Scheduler", "StepPlan", "common_prefix"]
+__all__ = ["MIN_PREFILL_CHUNK", "Scheduler", "StepPlan"]
 
 
 @dataclass

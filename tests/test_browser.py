@@ -140,9 +140,7 @@ def test_system_prompt_survives_a_reload_and_the_next_send(browser: Browser, ser
     loaded(page)
     open_settings(page)
     page.locator("#system textarea").fill("You are a pirate.")
-    short = page.locator("#max-tokens input[type=number]")  # a short reply on a slow CPU
-    short.fill("16")
-    short.press("Tab")
+    set_max_tokens(page, 16)  # a short reply on a slow CPU
     page.locator("#message textarea").fill("Ahoy, who sails this ship?")
     page.locator("#send").click()
     row = session_titled(sm, "Ahoy, who sails", replies=1)
@@ -151,8 +149,7 @@ def test_system_prompt_survives_a_reload_and_the_next_send(browser: Browser, ser
     expect(page.locator("#chatbot")).to_contain_text("Ahoy, who sails", timeout=20_000)
     open_settings(page)
     expect(page.locator("#system textarea")).to_have_value("You are a pirate.", timeout=20_000)
-    short.fill("16")
-    short.press("Tab")
+    set_max_tokens(page, 16)
     page.locator("#message textarea").fill("And where are we going?")
     page.locator("#send").click()
     row = session_titled(sm, "Ahoy, who sails", replies=2)
