@@ -25,7 +25,11 @@ class EngineConfig(Settings):
         "local Hugging Face model directory or .gguf file (off: the embedded "
         "SmolLM2-135M-Instruct)",
     )
-    quant: str = setting("nf4", "bitsandbytes weight quantization", choices=QUANT_CHOICES)
+    quant: str = setting(
+        "nf4",
+        "4-bit (nf4) or 8-bit weights: bitsandbytes on CUDA, PyTorch's int4/int8 kernels on CPU",
+        choices=QUANT_CHOICES,
+    )
     dtype: str = setting(
         "auto", "compute and KV dtype (auto: bfloat16 where native)", choices=DTYPE_CHOICES
     )
@@ -54,6 +58,11 @@ class EngineConfig(Settings):
         "latency stays under this",
     )
     threads: int | None = setting(None, "torch intra-op threads on CPU (off: torch's default)")
+    cpu_dense_above: int = setting(
+        16,
+        "CPU with --quant: steps of more rows than this use a dense copy of the same "
+        "quantized weights (faster for big batches, more RAM); 0: packed weights only",
+    )
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -75,4 +84,5 @@ class EngineConfig(Settings):
         need(self.max_num_batched_tokens >= 16, "--max-num-batched-tokens must be >= 16")
         need(self.target_itl_ms is None or self.target_itl_ms > 0, "--target-itl-ms must be > 0")
         need(self.threads is None or self.threads >= 1, "--threads must be >= 1")
+        need(self.cpu_dense_above >= 0, "--cpu-dense-above must be >= 0")
         object.__setattr__(self, "data_dir", Path(self.data_dir))

@@ -23,6 +23,7 @@ from transformers import (  # noqa: E402
     PreTrainedTokenizerBase,
 )
 
+from engine import cpu_quant  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.errors import ModelLoadError  # noqa: E402
 from engine.fingerprint import (  # noqa: E402
@@ -57,6 +58,7 @@ class LoadedModel:
     num_kv_heads: int
     head_dim: int
     max_position: int
+    kernel: str = ""  # what computes the quantized linears (bitsandbytes, torch-int4g32, ...)
     config_hash: str = ""  # canonical config.json (rope_theta, rope_scaling, ...)
     numerics: str = ""  # versions of the libraries that compute K/V
 
@@ -69,7 +71,7 @@ class LoadedModel:
             "config_hash": self.config_hash,
             "numerics": self.numerics,
             "device": self.device.type,
-            "quant": self.quant,
+            "quant": f"{self.quant}/{self.kernel}",
             "dtype": str(self.dtype).removeprefix("torch."),
             "block_size": block_size,
             "num_layers": self.num_layers,
@@ -200,18 +202,26 @@ def _load_model(config: EngineConfig) -> LoadedModel:
     if config.threads is not None and device.type == "cpu":
         torch.set_num_threads(config.threads)
     directory, model_id, files = resolve_checkpoint(config)
+    # On CPU bitsandbytes dequantizes every weight on every call; PyTorch's weight-only
+    # kernels read the packed weights (see engine.cpu_quant).
+    torch_kernels = device.type == "cpu" and config.quant != "none" and cpu_quant.available()
+    bnb = None if torch_kernels else quantization_config(config.quant, dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
             directory,
             dtype=dtype,
-            quantization_config=quantization_config(config.quant, dtype),
+            quantization_config=bnb,
             device_map=str(device),
             local_files_only=True,
         )
     except Exception as e:  # noqa: BLE001 - a one-line error naming the path, not a traceback
         raise ModelLoadError(f"cannot load model from {directory}: {e}") from e
     model.eval()
+    kernel = "dense" if config.quant == "none" else "bitsandbytes"
+    if torch_kernels:
+        with torch.inference_mode():
+            kernel = cpu_quant.quantize_model(model, config.quant, config.cpu_dense_above or None)
     mc = model.config
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     loaded = LoadedModel(
@@ -220,6 +230,7 @@ def _load_model(config: EngineConfig) -> LoadedModel:
         model_id=model_id,
         weights_hash=weights_hash(files, config.data_dir / CACHE_FILE),
         quant=config.quant,
+        kernel=kernel,
         device=device,
         dtype=dtype,
         model_bytes=model.get_memory_footprint(),
@@ -231,9 +242,10 @@ def _load_model(config: EngineConfig) -> LoadedModel:
         numerics=numerics_versions(),
     )
     log.info(
-        "loaded %s (%s, %s) on %s: %.1f MB of weights",
+        "loaded %s (%s via %s, %s) on %s: %.1f MB of weights",
         model_id,
         config.quant,
+        kernel,
         str(dtype).removeprefix("torch."),
         device,
         loaded.model_bytes / 2**20,

@@ -1,0 +1,72 @@
+"""PyTorch's weight-only int4/int8 kernels as crowdchat's CPU quantized linears."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_quant
+from engine.cpu_quant import GROUP_SIZE, Int4Linear, Int8Linear
+from engine.loader import LoadedModel
+
+pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="torch lacks the CPU kernels")
+
+
+def q4_1_weights(gen: torch.Generator, n: int, k: int) -> torch.Tensor:
+    """Weights on GGUF's Q4_1 grid: per group of 32, `min + d * q` with q in 0..15 (both ends
+    used), the range spanning zero as trained weights do."""
+    q = torch.randint(0, 16, (n, k // GROUP_SIZE, GROUP_SIZE), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15
+    d = torch.rand(n, k // GROUP_SIZE, 1, generator=gen) * 0.01 + 1e-4
+    lo = -d * (5 + 5 * torch.rand(n, k // GROUP_SIZE, 1, generator=gen))
+    return (lo + d * q).view(n, k)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_int4_repacks_a_q4_1_grid_and_both_paths_compute_the_same_weights(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 96, 192
+    w = q4_1_weights(gen, n, k)
+    lin = Int4Linear(w, dense_rows=4)
+    # the same grid point for every weight: only the kernel's bfloat16 scale and zero round
+    # (GGUF keeps them in float16), by far less than a step
+    step = w.view(n, -1, GROUP_SIZE).aminmax(dim=-1)
+    step = ((step.max - step.min) / 15).repeat_interleave(GROUP_SIZE, dim=1)
+    assert ((lin.dense - w).abs() <= 0.1 * step).all()
+    for rows in (1, 3, 9, 40):  # packed kernel up to 4 rows, the dense copy above
+        x = torch.randn(rows, k, generator=gen)
+        ref = F.linear(x.bfloat16().float(), w)
+        torch.testing.assert_close(lin(x), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_int8_per_channel_is_within_a_step_of_the_weights(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(64, 96, generator=gen) * 0.02
+    lin = Int8Linear(w, dense_rows=2)
+    step = w.abs().amax(1, keepdim=True) / 127
+    assert ((lin.dense - w).abs() <= 0.5 * step * (1 + 2**-7)).all()  # bf16 step >= fp32
+    x = torch.randn(5, 96, generator=gen)
+    torch.testing.assert_close(lin(x[:1]), F.linear(x[:1], lin.dense), rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.dense))  # 5 rows > 2: the dense copy
+
+
+def test_packed_only_keeps_no_dense_copy() -> None:
+    lin = Int4Linear(torch.randn(32, 64), dense_rows=None)
+    assert lin.dense is None
+    assert lin(torch.randn(50, 64)).shape == (50, 32)  # every batch on the packed kernel
+    assert lin(torch.randn(2, 7, 64)).shape == (2, 7, 32)
+
+
+def test_the_default_cpu_model_runs_on_torch_int4_kernels(nf4_model: LoadedModel) -> None:
+    """`--quant nf4` on CPU: every decoder linear packed in int4, the output projection int8,
+    and the kernel named in the KV fingerprint (a bitsandbytes snapshot is not reused)."""
+    if nf4_model.device.type != "cpu":
+        pytest.skip("CUDA keeps bitsandbytes")
+    kinds = {type(m).__name__ for m in nf4_model.model.modules()}
+    assert "Int4Linear" in kinds and "Linear4bit" not in kinds
+    assert isinstance(nf4_model.model.get_output_embeddings(), Int8Linear)
+    assert not any(type(m) is torch.nn.Linear for m in nf4_model.model.model.layers.modules())
+    assert nf4_model.kernel == "torch-int4g32"
+    assert nf4_model.fingerprint(16)["quant"] == "nf4/torch-int4g32"
