@@ -47,15 +47,16 @@ def load_monitor() -> ModuleType:
     spec = importlib.util.spec_from_file_location("crowdchat_monitor", ROOT / "ui" / "monitor.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
 
 
-def snapshot(engine, label: str) -> dict:  # noqa: ANN001 - engine.Engine
+def snapshot(engine, label: str, monitor: ModuleType) -> dict:  # noqa: ANN001 - engine.Engine
     """The admin page's figures as plain JSON-able values."""
     import torch
 
-    mem = load_monitor().memory(engine)
+    mem = monitor.memory(engine)
     out = {
         "label": label,
         "time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -140,6 +141,7 @@ def measure(args: argparse.Namespace) -> dict:
     from engine import Engine, EngineConfig, SamplingParams
     from engine.loader import load_model
 
+    monitor = load_monitor()  # before the model: fail in seconds, not minutes
     config = EngineConfig.from_namespace(args)
     loaded = load_model(config)
     engine = Engine(config, loaded)
@@ -159,7 +161,7 @@ def measure(args: argparse.Namespace) -> dict:
             f"{args.users} users x 300-token prompts x 64 tokens in {wall:.2f} s "
             f"({args.users * 64 / wall:,.0f} tok/s), {weights}, KV left resident"
         )
-        return snapshot(engine, label)
+        return snapshot(engine, label, monitor)
     finally:
         engine.shutdown()
 

@@ -113,7 +113,16 @@ PY
 
 # --- the device's missing packages: wheels unpacked, bitsandbytes already unpacked ---
 rm -rf "$SITE" && mkdir -p "$SITE" "$DATA"
+# regex only where the python's own is older than transformers wants (its wheel is cp312)
+old_regex=$("$PY" -c 'import importlib.metadata as m, sys
+from packaging.version import Version as V
+try:
+    old = V(m.version("regex")) < V("2025.10.22")
+except Exception:
+    old = True
+print(int(old and sys.version_info[:2] == (3, 12)))' 2>/dev/null)
 for w in .gpu/wheels/*.whl; do
+  case $w in */regex-*) [ "$old_regex" = 1 ] || continue ;; esac
   [ -f "$w" ] && "$PY" -m zipfile -e "$w" "$SITE" >>"$LOG" 2>&1
 done
 [ -d .gpu/site ] && cp -r .gpu/site/. "$SITE"/

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs HERE (a machine with internet), never on the GPU machine: fills the git-ignored folder
 # .gpu/ with what the CUDA machine lacks, so that `bench/gpu_check.sh` can run there offline.
-#   .gpu/wheels/          pure-Python wheels (transformers 5.24, sqlite-utils and its two deps)
+#   .gpu/wheels/          wheels (transformers 5.24, sqlite-utils and its two deps, regex)
 #   .gpu/site/            bitsandbytes unpacked, with only the CUDA 13 and CPU native libraries
 #                         (the whole wheel is 43 MB; the device runs torch 2.11+cu130)
 #   .gpu/smollm2-config/  SmolLM2-135M-Instruct's config.json + tokenizer files, for
@@ -31,12 +31,13 @@ done
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${plat[@]}" -d "$TMP" \
   transformers==5.24.0 bitsandbytes==0.50.2 sqlite-utils==4.2.1 sqlite-fts4==1.0.3 \
-  click-default-group==1.2.4 2>&1 | grep -v "is ignored: it is neither" || true
+  click-default-group==1.2.4 regex==2026.11.19 2>&1 | grep -v "is ignored: it is neither" || true
+# regex: transformers checks regex>=2025.10.22 at import and the device's version is unknown.
 # The device already has: tokenizers, huggingface-hub, safetensors 0.8, accelerate,
 # prometheus-client, psutil, numpy, pandas, click, pluggy, tabulate, python-dateutil (KINDS.md).
 # gguf is not needed: the random model is a plain safetensors directory.
 mv "$TMP"/transformers-*.whl "$TMP"/sqlite_utils-*.whl "$TMP"/sqlite_fts4-*.whl \
-  "$TMP"/click_default_group-*.whl "$DEST/wheels/"
+  "$TMP"/click_default_group-*.whl "$TMP"/regex-*.whl "$DEST/wheels/"
 
 # bitsandbytes: python files + dist-info (transformers checks its version) + the libraries the
 # device can load (cuda130 for torch 2.11+cu130, cuda132 in case its runtime is newer, cpu).
@@ -66,7 +67,8 @@ for f in config.json generation_config.json tokenizer.json tokenizer_config.json
   [ -f "$src/$f" ] && cp "$src/$f" "$DEST/smollm2-config/"
 done
 
-du -sh "$DEST"/* "$DEST"
+du -sh "$DEST"/*
+du -sh "$DEST"
 size=$(du -sm "$DEST" | cut -f1)
 [ "$size" -lt 60 ] || { echo "error: .gpu is ${size} MiB (limit 60)" >&2; exit 1; }
 echo "ok: .gpu is ${size} MiB"
