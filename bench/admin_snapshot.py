@@ -92,6 +92,10 @@ def memory_bar(mem: dict) -> str:
     )
 
 
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:,.1f} ms"
+
+
 def page(snap: dict) -> str:
     """A self-contained HTML page: the memory bar and the engine's figures."""
     css = (ROOT / "static" / "crowdchat.css").read_text() + PAGE_CSS
@@ -104,7 +108,7 @@ def page(snap: dict) -> str:
         "max model len": f"{s['max_model_len']:,}",
         "tokens/s (recent)": f"{s['tokens_per_s']:,.1f}",
         "max batch seen": s["max_batch_seen"],
-        "TTFT p50 / ITL p50": f"{s['ttft_p50_s']} s / {s['itl_p50_s']} s",
+        "TTFT p50 / ITL p50": f"{ms(s['ttft_p50_s'])} / {ms(s['itl_p50_s'])}",
         "requests finished": s["requests_finished"],
         "torch": snap["torch"],
     }
@@ -159,7 +163,7 @@ def measure(args: argparse.Namespace) -> dict:
         weights = "random weights" if is_random(config.model) else "real weights"
         label = (
             f"{args.users} users x 300-token prompts x 64 tokens in {wall:.2f} s "
-            f"({args.users * 64 / wall:,.0f} tok/s), {weights}, KV left resident"
+            f"({args.users * 64 / wall:,.1f} tok/s), {weights}, KV left resident"
         )
         return snapshot(engine, label, monitor)
     finally:
