@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA check, run ON the GPU machine from the repo root (python3 = the device's python):
 #   OUT=/some/folder bash bench/gpu_check.sh
-# Needs .gpu/ from bench/gpu_prep.sh (carried: it is git-ignored). Every step runs in its own
+# Needs .gpu/ from bench/gpu_prep.sh (git-ignored: name it in the device tool's carry, e.g.
+# run(command="bash bench/gpu_check.sh", carry=[".gpu"], timeout_s=560)). Every step runs in its own
 # process with its own timeout and the whole run stays within GPU_CHECK_BUDGET_S (470 s), so one
 # failure or hang never stops the rest. Prints one JSON line per step and, last, a summary JSON;
 # writes $OUT/gpu_check.jsonl, $OUT/log.txt (all output), $OUT/summary.json, and the admin
@@ -167,7 +168,7 @@ step admin 75 "$PY" bench/admin_snapshot.py --device cuda --model "$MODEL" --dat
 step restore 100 "$PY" bench/restore.py --device cuda --model "$MODEL" --data-dir "$DATA" \
   --lengths 500,2000 --repeats 1
 if [ -f bench/mixed.py ]; then
-  step mixed 100 "$PY" bench/mixed.py --model "$MODEL"
+  step mixed 100 "$PY" bench/mixed.py --model "$MODEL" --device cuda --data-dir "$DATA"
 else
   echo '{"step": "mixed", "rc": "skipped", "ok": true, "why": "bench/mixed.py absent"}' |
     tee -a "$JSONL"
