@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.random_model import is_random  # noqa: E402
 from bench.throughput import TEXT  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.loader import load_model  # noqa: E402
@@ -62,7 +63,11 @@ def main() -> None:
     engine = Engine(config, loaded)
     work = Path(tempfile.mkdtemp(prefix="crowdchat-restore-"))
     sm = SessionManager(engine, SessionConfig(idle_seconds=1e9, tokens_per_minute=0), work)
-    summary: dict[str, float | str] = {"device": str(loaded.device), "quant": config.quant}
+    summary: dict[str, float | str] = {
+        "device": str(loaded.device),
+        "quant": config.quant,
+        "weights": "random" if is_random(config.model) else "real",
+    }
     try:
         sm.chat("bench", sm.create_session("bench")["id"], "Hi", NEXT).result()  # warm-up
         for n in [int(x) for x in args.lengths.split(",")]:

@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.random_model import is_random  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.loader import LoadedModel, load_model  # noqa: E402
 from engine.metrics import Metrics  # noqa: E402
@@ -139,6 +140,12 @@ def main() -> None:
     summary = {
         "device": str(loaded.device),
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads",
+        **(
+            {"gpu": torch.cuda.get_device_name(loaded.device)}
+            if loaded.device.type == "cuda"
+            else {}
+        ),
+        "weights": "random" if is_random(config.model) else "real",
         "quant": config.quant,
         "dtype": str(loaded.dtype).removeprefix("torch."),
         **{f"users_{n}_tokens_per_s": p["tokens_per_s"] for n, p in points.items()},
