@@ -41,7 +41,7 @@ class EngineConfig(Settings):
     )
     block_size: int = setting(16, "tokens per KV block")
     kv_budget_mb: float | None = setting(
-        None, "KV pool size on CPU (off: 25% of free RAM, max 4 GiB)"
+        None, "KV pool size (off: 25% of free RAM, max 4 GiB, on CPU; free VRAM share on CUDA)"
     )
     gpu_memory_utilization: float = setting(
         0.9, "share of free VRAM after loading used for KV on CUDA"

@@ -35,7 +35,10 @@ def kv_budget_bytes(config: EngineConfig, loaded: LoadedModel) -> int:
             + config.max_num_seqs * vocab * 4 * 2
             + CUDA_ACTIVATION_SLACK
         )
-        return int(free * config.gpu_memory_utilization) - activations
+        budget = int(free * config.gpu_memory_utilization) - activations
+        if config.kv_budget_mb is not None:  # the operator's cap holds on CUDA too
+            budget = min(budget, int(config.kv_budget_mb * 2**20))
+        return budget
     available = psutil.virtual_memory().available
     if config.kv_budget_mb is not None:
         budget = int(config.kv_budget_mb * 2**20)

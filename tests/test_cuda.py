@@ -177,3 +177,8 @@ def test_kv_export_and_import_round_trip_on_cuda(fp32_engine: Engine, fp32_cuda:
     warm = fp32_engine.submit(follow, GREEDY, owner="s")
     assert warm.result() is not None and warm.num_cached_tokens >= len(first)
     assert warm.token_ids == cold
+
+
+def test_kv_budget_mb_caps_the_pool_on_cuda(fp32_cuda: LoadedModel, tmp_path: Path) -> None:
+    config = EngineConfig(data_dir=tmp_path, kv_budget_mb=64)
+    assert kv_budget_bytes(config, fp32_cuda) == 64 << 20
