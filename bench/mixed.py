@@ -7,6 +7,13 @@ decodes `--long-new-tokens`. Each short token's arrival is stamped by one pollin
 `mixed_itl_ratio` is the short users' ITL p50 during the long one's decode phase over their p50
 without it (the target is <= 1.3); the overall ratio covers the whole second phase, prefill
 chunks included. Prints one JSON object per phase and, last, a summary JSON object.
+
+Measured 2026-11-30 on the shared 2-core AMD EPYC (no AVX512; load average 6-16 from other
+work), `--quant none --threads 1 --long-new-tokens 16 --kv-budget-mb 1024`, float32, the old
+and new engine run side by side twice. mixed_itl_ratio: padded to the batch's longest 12.5 and
+8.4; length groups 1.30 and 1.92. Short users' decode-phase ITL p50, same runs: 22.6 s -> 4.4 s
+and 13.1 s -> 2.7 s; the long reply's 16 tokens: 359 s -> 66 s and 228 s -> 48 s. Absolute
+figures are the load's, not the engine's: rerun on a quiet machine.
 """
 
 from __future__ import annotations
