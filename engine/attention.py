@@ -29,6 +29,16 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows `[start, end)` of the flat row, of similar context lengths."""
+
+    start: int
+    end: int
+    blocks: torch.Tensor  # [b, nblk] each decode's block table, padded to the group's longest
+    pad: torch.Tensor | None  # [b, nblk * block_size] bool, True = not its context; None: none
+
+
+@dataclass
 class StepMetadata:
     """What every layer's attention needs for one step, built once by the runner."""
 
@@ -36,9 +46,7 @@ class StepMetadata:
     v_cache: list[torch.Tensor]
     block_size: int
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
-    num_decodes: int
-    decode_blocks: torch.Tensor | None  # [B, nblk] each decode's block table, padded
-    decode_pad: torch.Tensor | None  # [B, nblk * block_size] bool, True = not its context
+    decode_groups: list[DecodeGroup]  # the decodes come first in the row, in these groups
     prefills: list[PrefillChunk]
 
 
@@ -62,16 +70,15 @@ def paged_attention(
     vc.index_copy_(1, meta.slot_mapping, value[0])
     _, h, t, d = query.shape
     out = query.new_empty(t, h, d)
-    b = meta.num_decodes
-    if b:
-        hkv, bs = kc.shape[0], meta.block_size
-        nblk = meta.decode_blocks.shape[1]
+    hkv, bs = kc.shape[0], meta.block_size
+    for g in meta.decode_groups:
+        b, nblk = g.blocks.shape
         # gather whole blocks with index_select: long row copies, ~5x faster on CPU than
         # advanced indexing
-        blocks = meta.decode_blocks.flatten()
+        blocks = g.blocks.flatten()
         k = kc.view(hkv, -1, bs, d).index_select(1, blocks).view(hkv, b, nblk * bs, d)
         v = vc.view(hkv, -1, bs, d).index_select(1, blocks).view(hkv, b, nblk * bs, d)
-        out[:b] = _decode_attention(query[0, :, :b], k, v, meta.decode_pad, scaling)
+        out[g.start : g.end] = _decode_attention(query[0, :, g.start : g.end], k, v, g.pad, scaling)
     for c in meta.prefills:
         q = query[:, :, c.start : c.end]  # [1, H, n, D]
         if c.context_slots is None:
@@ -93,7 +100,7 @@ def _decode_attention(
     query: torch.Tensor,  # [H, B, D]
     k: torch.Tensor,  # [H_kv, B, Lmax, D]
     v: torch.Tensor,  # [H_kv, B, Lmax, D]
-    pad: torch.Tensor,  # [B, Lmax]
+    pad: torch.Tensor | None,  # [B, Lmax]
     scaling: float | None,
 ) -> torch.Tensor:
     """One query token per sequence against its padded context.  # [B, H, D]
@@ -105,9 +112,9 @@ def _decode_attention(
     hkv = k.shape[0]
     q = query.reshape(hkv, h // hkv, b, d).transpose(1, 2)  # [H_kv, B, G, D]
     scores = torch.matmul(q, k.transpose(-1, -2))  # [H_kv, B, G, Lmax]
-    scores = (
-        scores.float().mul_(scaling or d**-0.5).masked_fill_(pad[None, :, None, :], float("-inf"))
-    )
+    scores = scores.float().mul_(scaling or d**-0.5)
+    if pad is not None:
+        scores.masked_fill_(pad[None, :, None, :], float("-inf"))
     probs = scores.softmax(-1).to(v.dtype)
     out = torch.matmul(probs, v)  # [H_kv, B, G, D]
     return out.permute(1, 0, 2, 3).reshape(b, h, d)

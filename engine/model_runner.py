@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from engine import attention
-from engine.attention import PrefillChunk, StepMetadata
+from engine.attention import DecodeGroup, PrefillChunk, StepMetadata
 from engine.kv_cache import KVCache
 from engine.loader import LoadedModel
 from engine.sampler import sample
@@ -29,6 +29,28 @@ class StepRunner(Protocol):
 
 RunnerFactory = Callable[[LoadedModel, KVCache], StepRunner]
 
+# A decode group may pad its shorter contexts up to 25% beyond their own tokens; below
+# MIN_SPLIT_WASTE padded tokens one more group (a few small ops per layer) costs more than the
+# padding it saves.
+MAX_PAD_SHARE = 0.25
+MIN_SPLIT_WASTE = 256
+
+
+def decode_groups(lens: list[int], block_size: int) -> list[tuple[int, int]]:
+    """Cut ascending context lengths into `[lo, hi)` groups, each padded to its last one's
+    blocks, splitting where the padding would exceed `MAX_PAD_SHARE` of the real tokens."""
+    groups: list[tuple[int, int]] = []
+    lo, used = 0, 0
+    for i, n in enumerate(lens):
+        padded = (i - lo + 1) * -(-n // block_size) * block_size
+        if i > lo and padded - (used + n) > max(MAX_PAD_SHARE * (used + n), MIN_SPLIT_WASTE):
+            groups.append((lo, i))
+            lo, used = i, 0
+        used += n
+    if lens:
+        groups.append((lo, len(lens)))
+    return groups
+
 
 class ModelRunner:
     """Builds a step's inputs from the plan, runs the model once, samples next tokens."""
@@ -44,29 +66,36 @@ class ModelRunner:
         self.stop_ids: list[int] = sorted({eos} if isinstance(eos, int) else set(eos or []))
 
     def _metadata(self, plan: StepPlan) -> tuple[StepMetadata, list[int], list[int], list[int]]:
-        """Flat input ids, positions and which rows need logits, plus the attention metadata."""
-        cache, dev = self.cache, self.device
+        """Flat input ids, positions and which rows need logits, plus the attention metadata.
+
+        Decodes go first in the row, sorted by context length and cut into groups that are
+        each padded only to their own longest context; `logit_rows` keeps the plan's order.
+        """
+        cache, dev, bs = self.cache, self.device, self.cache.block_size
         ids: list[int] = []
         pos: list[int] = []
-        slot_parts: list[torch.Tensor] = []
-        logit_rows: list[int] = []
-        decode_blocks = decode_pad = None
-        if plan.decodes:
-            bs = cache.block_size
-            lens = torch.tensor([s.num_computed + 1 for s in plan.decodes])
-            nblk = -(-int(lens.max()) // bs)
-            table = torch.zeros(len(lens), nblk, dtype=torch.long)
-            for i, s in enumerate(plan.decodes):
-                row = s.block_table[:nblk]
-                table[i, : len(row)] = torch.tensor(row)
-            decode_blocks = table.to(dev)
-            decode_pad = (torch.arange(nblk * bs)[None, :] >= lens[:, None]).to(dev)
-            last = lens - 1  # each decode token's own position
-            slot_parts.append(table[torch.arange(len(lens)), last // bs] * bs + last % bs)
-            for i, s in enumerate(plan.decodes):
-                ids.append(s.token_ids[s.num_computed])
-                pos.append(s.num_computed)
-                logit_rows.append(i)
+        slots: list[int] = []
+        logit_rows: list[int] = [0] * len(plan.decodes)
+        groups: list[DecodeGroup] = []
+        order = sorted(range(len(plan.decodes)), key=lambda i: plan.decodes[i].num_computed)
+        for lo, hi in decode_groups([plan.decodes[i].num_computed + 1 for i in order], bs):
+            lens = [plan.decodes[i].num_computed + 1 for i in order[lo:hi]]
+            nblk = -(-lens[-1] // bs)
+            table = torch.zeros(hi - lo, nblk, dtype=torch.long)
+            for row, i in enumerate(order[lo:hi], start=lo):
+                s = plan.decodes[i]
+                blocks = s.block_table[:nblk]
+                table[row - lo, : len(blocks)] = torch.tensor(blocks)
+                p = s.num_computed  # the decode token's own position
+                ids.append(s.token_ids[p])
+                pos.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+                logit_rows[i] = row
+            pad = None
+            if lens[0] != nblk * bs:
+                pad = (torch.arange(nblk * bs)[None, :] >= torch.tensor(lens)[:, None]).to(dev)
+            groups.append(DecodeGroup(lo, hi, table.to(dev), pad))
+        slot_parts = [torch.tensor(slots, dtype=torch.long)]
         prefills = []
         for seq, n in plan.prefills:
             start, p0 = len(ids), seq.num_computed
@@ -85,10 +114,8 @@ class ModelRunner:
             k_cache=cache.k,
             v_cache=cache.v,
             slot_mapping=torch.cat(slot_parts).to(dev),
-            num_decodes=len(plan.decodes),
-            block_size=cache.block_size,
-            decode_blocks=decode_blocks,
-            decode_pad=decode_pad,
+            block_size=bs,
+            decode_groups=groups,
             prefills=prefills,
         )
         return meta, ids, pos, logit_rows
