@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="torch lacks t
 
 
 def q4_1_weights(gen: torch.Generator, n: int, k: int) -> torch.Tensor:
-    """Weights on GGUF's Q4_1 grid: per group of 32, `min + d * q` with q in 0..15 (both ends
+    """Weights on a Q4_1-like grid: per group, `min + d * q` with q in 0..15 (both ends
     used), the range spanning zero as trained weights do."""
     q = torch.randint(0, 16, (n, k // GROUP_SIZE, GROUP_SIZE), generator=gen).float()
     q[..., 0], q[..., 1] = 0, 15
@@ -24,7 +24,7 @@ def q4_1_weights(gen: torch.Generator, n: int, k: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_int4_repacks_a_q4_1_grid_and_both_paths_compute_the_same_weights(seed: int) -> None:
+def test_int4_repacks_a_4_bit_grid_and_both_paths_compute_the_same_weights(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     n, k = 96, 192
     w = q4_1_weights(gen, n, k)
@@ -68,5 +68,5 @@ def test_the_default_cpu_model_runs_on_torch_int4_kernels(nf4_model: LoadedModel
     assert "Int4Linear" in kinds and "Linear4bit" not in kinds
     assert isinstance(nf4_model.model.get_output_embeddings(), Int8Linear)
     assert not any(type(m) is torch.nn.Linear for m in nf4_model.model.model.layers.modules())
-    assert nf4_model.kernel == "torch-int4g32"
-    assert nf4_model.fingerprint(16)["quant"] == "nf4/torch-int4g32"
+    assert nf4_model.kernel == "torch-int4g64"
+    assert nf4_model.fingerprint(16)["quant"] == "nf4/torch-int4g64"
