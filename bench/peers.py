@@ -196,7 +196,7 @@ def run_server(name: str, users: list[int], args: argparse.Namespace, ready: dic
         return points
     port = free_port()
     cmd = [str(ready["vllm"]), "-m", "vllm.entrypoints.openai.api_server"]
-    cmd += ["--model", str(ready["hf_dir"]), "--dtype", "bfloat16"]
+    cmd += ["--model", str(ready["hf_dir"]), "--dtype", args.vllm_dtype]
     cmd += ["--host", "127.0.0.1", "--port", str(port)]
     env = {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
     with serving(name, cmd, port, "/health", logs, env) as b:
@@ -251,6 +251,12 @@ def main() -> None:
     ap.add_argument("--crowdchat-args", default="", help="flags for app.py, e.g. '--quant none'")
     ap.add_argument("--ctx-per-user", type=int, default=1024, help="llama-server: -c N*this")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server threads")
+    ap.add_argument(
+        "--vllm-dtype",
+        default="bfloat16",
+        help="vLLM --dtype; without avx512_bf16 oneDNN refuses bf16 and vLLM falls back to "
+        "slower torch linears (float32 may then be the fairer peer)",
+    )
     args = ap.parse_args()
     names = [s for s in args.servers.split(",") if s]
     if unknown := set(names) - set(SERVERS):
@@ -284,6 +290,7 @@ def main() -> None:
         skipped=skipped,
         workload={"users": users, "turns": args.turns, "new_tokens": args.new_tokens},
         crowdchat_args=args.crowdchat_args,
+        vllm_dtype=args.vllm_dtype,
         peers={
             "llamacpp": [p.name for p in args.cache.glob("sdist/llama_cpp_python-*") if p.is_dir()],
             "vllm": VLLM_PIN,
