@@ -73,14 +73,16 @@ def prepare_llamacpp(cache: Path) -> Path:
     sdist, log = cache / "sdist", cache / "cmake.log"
     sdist.mkdir(parents=True, exist_ok=True)
     print(f"building llama-server once (about 10 minutes on 2 cores); log {log}", file=sys.stderr)
-    url = sdist_url(httpx.get(PYPI_JSON, timeout=60, follow_redirects=True).json())
-    archive = sdist / "llama.tar.gz"
-    with httpx.stream("GET", url, timeout=600, follow_redirects=True) as r, archive.open("wb") as f:
-        r.raise_for_status()
-        for chunk in r.iter_bytes():
-            f.write(chunk)
-    with tarfile.open(archive) as tar:
-        tar.extractall(sdist, filter="data")
+    if not list(sdist.glob("llama_cpp_python-*/vendor/llama.cpp")):  # an interrupted run resumes
+        url = sdist_url(httpx.get(PYPI_JSON, timeout=60, follow_redirects=True).json())
+        archive = sdist / "llama.tar.gz"
+        with httpx.stream("GET", url, timeout=600, follow_redirects=True) as r:
+            r.raise_for_status()
+            with archive.open("wb") as f:
+                for chunk in r.iter_bytes():
+                    f.write(chunk)
+        with tarfile.open(archive) as tar:
+            tar.extractall(sdist, filter="data")
     src = sorted(sdist.glob("llama_cpp_python-*/vendor/llama.cpp"))[-1]
     build = cache / "llama-build"
     configure = ["cmake", "-S", str(src), "-B", str(build), "-DLLAMA_CURL=OFF"]
