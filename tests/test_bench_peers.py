@@ -1,9 +1,12 @@
-"""The peer benchmark's pure helpers and load.py's stateless reply counting (no servers)."""
+"""The peer benchmark's helpers, load.py's stateless users, and its llama-server plumbing
+against a stand-in server (no model, no real peers)."""
 
+import argparse
 import json
+from pathlib import Path
 
 from bench.load import ReplyCount
-from bench.peers import machine, sdist_url, summarize
+from bench.peers import machine, run_server, sdist_url, summarize
 
 
 def sse(event: dict) -> str:
@@ -81,3 +84,55 @@ def test_the_machine_names_the_first_cpu_and_whether_it_has_avx512_bf16():
     info = "model name\t: Xeon X\nflags\t\t: sse avx512f avx512_bf16\n\nmodel name\t: Xeon X\n"
     assert machine(info)["cpu"] == "Xeon X" and machine(info)["avx512_bf16"] is True
     assert machine("model name: EPYC\nflags: avx2\n")["avx512_bf16"] is False
+
+
+STUB = """#!/usr/bin/env python3
+import json, sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+argv = sys.argv[1:]
+with open(sys.argv[0] + ".argv", "a") as f:
+    f.write(" ".join(argv[:-1]) + "\\n")  # the port last: it differs each run
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        self.send_response(200 if self.path in ("/health", "/v1/models") else 501)
+        self.end_headers()
+        self.wfile.write(json.dumps({"data": [{"id": "stub"}]}).encode())
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        with open(sys.argv[0] + ".requests", "a") as f:
+            f.write(json.dumps(req) + "\\n")
+        self.send_response(200)
+        self.end_headers()
+        for i in range(req["max_tokens"]):  # one token a chunk and no usage, like llama-server
+            delta = {"choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+            self.wfile.write(("data: " + json.dumps(delta) + "\\n\\n").encode())
+        self.wfile.write(b"data: [DONE]\\n\\n")
+
+ThreadingHTTPServer(("127.0.0.1", int(argv[-1])), Handler).serve_forever()
+"""
+
+
+def test_llama_server_restarts_per_user_count_and_gets_each_users_whole_history(tmp_path):
+    stub = tmp_path / "llama-server"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    args = argparse.Namespace(
+        cache=tmp_path, threads=2, ctx_per_user=1024, turns=2, new_tokens=5, crowdchat_args=""
+    )
+    ready = {"llamacpp": stub, "gguf": Path("/m.gguf")}
+    points = run_server("llamacpp", [1, 3], args, ready)
+    assert [points[n]["tokens"] for n in (1, 3)] == [10, 30]  # counted from content chunks
+    assert stub.with_suffix(".argv").read_text().splitlines() == [
+        "-m /m.gguf -np 1 -c 1024 -t 2 -tb 2 --host 127.0.0.1 --port",
+        "-m /m.gguf -np 3 -c 3072 -t 2 -tb 2 --host 127.0.0.1 --port",
+    ]
+    sent = [json.loads(line) for line in stub.with_suffix(".requests").read_text().splitlines()]
+    second_turns = [r["messages"] for r in sent if len(r["messages"]) > 1]
+    assert len(second_turns) == 1 + 3
+    assert all(m[1] == {"role": "assistant", "content": "t0 t1 t2 t3 t4 "} for m in second_turns)
+    assert all(r["ignore_eos"] and r["model"] == "stub" for r in sent)
