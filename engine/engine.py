@@ -101,11 +101,15 @@ class Engine:
         params: SamplingParams | None = None,
         owner: str | None = None,
         retain: bool = False,
+        cache_ns: str | None = None,
+        shareable_prefix: int = 0,
     ) -> RequestHandle:
         """Queue a request; stream its reply from the returned handle.
 
         `owner` names whose resident KV the prompt may reuse; with `retain` the KV stays
-        resident for that owner after the reply ends.
+        resident for that owner after the reply ends. The prefix cache shares the blocks of
+        its first `shareable_prefix` tokens with anyone, and the rest only within `cache_ns`
+        (None: the rest is neither looked up nor cached).
 
         Raises:
             InvalidRequest, PromptTooLong: the prompt or parameters can never be served.
@@ -113,7 +117,14 @@ class Engine:
         """
         params = params or SamplingParams()
         ids = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
-        seq = Sequence(ids, params, owner=owner, retain=retain and owner is not None)
+        seq = Sequence(
+            ids,
+            params,
+            owner=owner,
+            retain=retain and owner is not None,
+            cache_ns=cache_ns,
+            shareable_prefix=max(0, min(int(shareable_prefix), len(ids))),
+        )
         handle = RequestHandle(seq.seq_id, len(ids), self._cancel)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         with self._lock:  # held while queueing, so the thread's final drain sees this message
@@ -175,12 +186,19 @@ class Engine:
         """Copy an owner's resident KV to CPU (None if it has none)."""
         return self._call(lambda: self.scheduler.resident.export(owner, self.cache))
 
-    def import_kv(self, owner: str, kv: KVExport) -> bool:
+    def import_kv(
+        self, owner: str, kv: KVExport, cache_ns: str | None = None, shareable_prefix: int = 0
+    ) -> bool:
         """Make exported KV resident for `owner` again; False if the pool cannot hold it.
+        Leading blocks the prefix cache holds (as `submit` keys them) are shared, not loaded.
         Raises InvalidRequest if its shape does not fit this model."""
         sched = self.scheduler
         reclaim = lambda need: sched.reclaim(need, keep_owner=owner)  # noqa: E731
-        return self._call(lambda: sched.resident.load(owner, kv, self.cache, reclaim))
+        return self._call(
+            lambda: sched.resident.load(
+                owner, kv, self.cache, reclaim, cache_ns, max(0, shareable_prefix)
+            )
+        )
 
     def drop_kv(self, owner: str) -> bool:
         """Free an owner's resident KV; True if it had any."""

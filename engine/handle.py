@@ -31,7 +31,8 @@ class RequestHandle:
         self.text = ""
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
-        self.num_cached_tokens = 0  # prompt tokens served from a resident KV prefix
+        self.num_cached_tokens = 0  # prompt tokens whose KV was already in the pool
+        self.num_hit_tokens = 0  # of them, found by the prefix cache (not the owner's own KV)
         self._cancel = cancel
         self._events: queue.SimpleQueue[str | _Finished] = queue.SimpleQueue()
         self._done = threading.Event()

@@ -105,9 +105,11 @@ class KVCache:
         v = self.data[1].index_select(2, idx).transpose(1, 2).to("cpu").contiguous()
         return k, v
 
-    def load(self, block_table: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write exported KV (`[L, T, H_kv, D]` each) into the given blocks."""
-        idx = self.slots(block_table, 0, k.shape[1])
+    def load(
+        self, block_table: list[int], k: torch.Tensor, v: torch.Tensor, start: int = 0
+    ) -> None:
+        """Write exported KV (`[L, T, H_kv, D]` each) into positions `start`.. of the blocks."""
+        idx = self.slots(block_table, start, start + k.shape[1])
         dev, dt = self.data.device, self.data.dtype
         self.data[0].index_copy_(2, idx, k.to(dev, dt).transpose(1, 2))
         self.data[1].index_copy_(2, idx, v.to(dev, dt).transpose(1, 2))

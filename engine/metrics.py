@@ -76,6 +76,10 @@ class EngineStats:
     resident_dropped: int
     steps: int
     max_batch_seen: int
+    blocks_cached: int = 0  # free blocks that still hold a cached chain's KV
+    blocks_shared: int = 0  # blocks held by two or more sequences or sessions
+    prefix_cache_queries: int = 0  # prompt tokens admitted
+    prefix_cache_hits: int = 0  # of them, tokens whose KV was already in the pool
     alive: bool = True  # False once the engine thread has died or was shut down
     failure: str | None = None  # why the engine thread died
 
@@ -159,6 +163,10 @@ def engine_stats(engine: Engine) -> EngineStats:
             resident_dropped=engine.scheduler.num_resident_dropped,
             steps=m.steps,
             max_batch_seen=m.max_batch,
+            blocks_cached=engine.pool.num_cached,
+            blocks_shared=engine.pool.num_shared,
+            prefix_cache_queries=engine.scheduler.prefix_queries,
+            prefix_cache_hits=engine.scheduler.prefix_hits,
             alive=engine.alive,
             failure=engine.failure,
         )

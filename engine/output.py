@@ -63,14 +63,17 @@ class OutputProcessor:
             if req is not None and not req.admitted:
                 req.admitted = True
                 req.handle.num_cached_tokens = seq.num_computed
+                req.handle.num_hit_tokens = seq.num_hit_tokens
                 self.left_queue()
 
     def process(self, plan: StepPlan, next_tokens: dict[Sequence, int], now: float) -> None:
         """Record what the step computed and hand each sampled token to its request."""
         for seq in plan.decodes:
             seq.num_computed += 1
+            self.scheduler.cache_computed(seq)
         for seq, n in plan.prefills:
             seq.num_computed += n
+            self.scheduler.cache_computed(seq)
         for seq, token in next_tokens.items():
             self._append(self.requests[seq.seq_id], token, now)
 

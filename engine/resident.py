@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.block_hash import extend_hashes
 from engine.block_pool import BlockPool
 from engine.errors import InvalidRequest
 from engine.kv_cache import KVCache
@@ -25,7 +26,7 @@ class KVExport:
 
 @dataclass
 class ResidentKV:
-    """An idle owner's KV: the token ids it covers and the blocks that hold them."""
+    """An idle owner's KV: the token ids it covers and the chain of blocks that hold them."""
 
     token_ids: list[int]
     block_table: list[int]
@@ -43,13 +44,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class ResidentCache:
-    """owner -> ResidentKV, least recently used first. Frees blocks back to the pool when an
-    entry is dropped or trimmed. Only the engine thread calls this."""
+    """owner -> ResidentKV, least recently used first: each entry holds its chain of blocks
+    once (blocks may be shared with other entries and running sequences), and lets go of them
+    when it is dropped. Only the engine thread calls this."""
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self._entries: OrderedDict[str, ResidentKV] = OrderedDict()
         self.num_dropped = 0  # entries dropped to make room (not by their owner's request)
+        self.num_loaded_from_cache = 0  # tokens of loaded KV found in the prefix cache instead
 
     def __contains__(self, owner: object) -> bool:
         return owner in self._entries
@@ -65,7 +68,8 @@ class ResidentCache:
 
     @property
     def num_blocks(self) -> int:
-        return sum(len(e.block_table) for e in self._entries.values())
+        """Distinct blocks the entries hold (a block shared by several counts once)."""
+        return len({b for e in self._entries.values() for b in e.block_table})
 
     def put(self, owner: str, entry: ResidentKV) -> None:
         """Make `entry` the owner's resident KV (freeing any older one), most recent last."""
@@ -89,18 +93,22 @@ class ResidentCache:
         entry = self._entries.get(owner) if owner is not None else None
         return common_prefix(entry.token_ids, token_ids) if entry is not None else 0
 
-    def trim(self, owner: str, num_tokens: int) -> None:
-        """Keep only the KV of the owner's first `num_tokens` tokens; free the rest."""
-        entry = self._entries.get(owner)
-        if entry is None or num_tokens >= len(entry.token_ids):
-            return
-        if num_tokens == 0:
-            self.drop(owner)
-            return
+    def cut(self, entry: ResidentKV, num_tokens: int) -> tuple[list[int], int]:
+        """A taken entry's chain cut to its first `num_tokens` tokens, for a sequence to write
+        on: the blocks past them are let go, and so is the last kept one if it is partly kept
+        but hashed or shared (it must never be written: its tokens are recomputed instead).
+        Returns the block table and how many tokens it holds."""
+        bs = self.pool.block_size
         keep = self.pool.blocks_for(num_tokens)
         self.pool.free(entry.block_table[keep:])
-        entry.token_ids = entry.token_ids[:num_tokens]
-        entry.block_table = entry.block_table[:keep]
+        table = entry.block_table[:keep]
+        if num_tokens % bs and (
+            self.pool.is_hashed(table[-1]) or self.pool.refcount(table[-1]) > 1
+        ):
+            self.pool.free(table[-1:])
+            table = table[:-1]
+            num_tokens = len(table) * bs
+        return table, num_tokens
 
     def evict_lru(self, needed: int, keep_owner: str | None = None) -> None:
         """Drop least recently used entries (never `keep_owner`'s) until `needed` blocks
@@ -129,9 +137,17 @@ class ResidentCache:
         }
 
     def load(
-        self, owner: str, kv: KVExport, cache: KVCache, reclaim: Callable[[int], bool]
+        self,
+        owner: str,
+        kv: KVExport,
+        cache: KVCache,
+        reclaim: Callable[[int], bool],
+        namespace: str | None = None,
+        shareable_prefix: int = 0,
     ) -> bool:
-        """Make `kv` the owner's resident KV; False if `reclaim` cannot free enough blocks."""
+        """Make `kv` the owner's resident KV; False if `reclaim` cannot free enough blocks.
+        Its leading full blocks that the prefix cache holds (same tokens, same namespace) are
+        shared, not copied: only the rest is loaded."""
         _, layers, heads, _, dim = cache.data.shape
         shape = (layers, len(kv.token_ids), heads, dim)
         if not kv.token_ids or tuple(kv.k.shape) != shape or tuple(kv.v.shape) != shape:
@@ -139,18 +155,29 @@ class ResidentCache:
                 f"KV of shape {tuple(kv.k.shape)} does not fit this model (expected {shape})"
             )
         self.drop(owner)
-        need = self.pool.blocks_for(len(kv.token_ids))
-        if not reclaim(need):
-            return False
-        blocks = self.pool.allocate(need)
+        hashes: list[bytes] = []
+        extend_hashes(hashes, kv.token_ids, self.pool.block_size, namespace, shareable_prefix)
+        hits = self.pool.lookup(hashes)
+        self.pool.share(hits)  # held first: reclaiming must not evict them
+        blocks = list(hits)
         try:
-            cache.load(blocks, kv.k, kv.v)
+            need = self.pool.blocks_for(len(kv.token_ids)) - len(hits)
+            if not reclaim(need):
+                self.pool.free(blocks)
+                return False
+            blocks += self.pool.allocate(need)
+            start = len(hits) * self.pool.block_size
+            if start < len(kv.token_ids):
+                cache.load(blocks, kv.k[:, start:], kv.v[:, start:], start)
         except BaseException:
             self.pool.free(blocks)  # a failed copy must not leak the blocks
             raise
+        for i in range(len(hits), len(hashes)):
+            self.pool.register(blocks[i], hashes[i])
+        self.num_loaded_from_cache += start
         self.put(owner, ResidentKV(list(kv.token_ids), blocks))
         return True
 
     def blocks(self) -> list[int]:
-        """Every block the entries hold (for integrity checks)."""
+        """Every block the entries hold, once per entry holding it (for integrity checks)."""
         return [b for e in self._entries.values() for b in e.block_table]

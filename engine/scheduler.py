@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
-from engine.resident import ResidentCache, ResidentKV
+from engine.resident import ResidentCache, ResidentKV, common_prefix
 from engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -41,10 +41,11 @@ class StepPlan:
 class Scheduler:
     """Owns the `waiting` and `running` queues; idle owners' KV lives in `resident`.
 
-    Admission is first-come-first-served and only when a request's prompt blocks fit. When the
-    pool is short it first calls the memory-pressure hook (the session layer persists idle
-    owners' KV there), then drops the least recently used resident KV, then preempts the
-    youngest running sequence.
+    Admission is first-come-first-served and only when a request's prompt blocks fit; a prompt
+    shares the cached blocks its chain hashes find (`block_pool`). When the pool is short it
+    first evicts cached blocks nobody holds, then calls the memory-pressure hook (the session
+    layer persists idle owners' KV there), then drops the least recently used resident KV,
+    then preempts the youngest running sequence.
     """
 
     def __init__(
@@ -60,6 +61,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.resident = ResidentCache(pool)
         self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens admitted (vLLM's prefix-cache "queries")
+        self.prefix_hits = 0  # of them, tokens whose KV was already there (shared or own)
 
     @property
     def num_resident_dropped(self) -> int:
@@ -91,14 +94,21 @@ class Scheduler:
         seq.block_table = []
 
     def reclaim(self, needed: int, keep_owner: str | None = None) -> bool:
-        """Try to make `needed` blocks free without touching running sequences."""
+        """Try to make `needed` blocks free without touching running sequences. Cached blocks
+        nobody holds count as free (allocating evicts them), so they go before any session's
+        KV; then the memory-pressure hook moves idle sessions out, asked again while it makes
+        progress (a session whose chain is partly shared frees fewer blocks than it holds)."""
         if self.pool.can_allocate(needed):
             return True
-        if self.memory_pressure is not None and len(self.resident):
+        while self.memory_pressure is not None and len(self.resident):
+            entries = len(self.resident)
             try:
                 self.memory_pressure(needed - self.pool.num_free, keep_owner)
             except Exception:  # the hook is the session layer's; a bug there must not stop us
                 log.exception("memory-pressure hook failed")
+                break
+            if self.pool.can_allocate(needed) or len(self.resident) >= entries:
+                break
         self.resident.evict_lru(needed, keep_owner)
         return self.pool.can_allocate(needed)
 
@@ -106,9 +116,10 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and requeue it at the front to recompute later."""
         self.running.remove(seq)
-        self.pool.free(seq.block_table)
+        self.pool.free(seq.block_table)  # its full blocks stay cached for its return
         seq.block_table = []
         seq.num_computed = 0
+        seq.num_registered = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -129,36 +140,51 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING and need > 0:
                 seq.block_table += self.pool.allocate(need)
 
-    def _reusable(self, seq: Sequence) -> int:
-        """Tokens of the owner's resident KV that the sequence can reuse (its last is new)."""
-        return min(self.resident.reusable(seq.owner, seq.token_ids), seq.num_tokens - 1)
-
     def _admit(self, seq: Sequence) -> bool:
-        """Move the head of `waiting` to `running` if its blocks fit, reusing its owner's KV."""
-        reuse = self._reusable(seq)
-        if seq.owner is not None:
-            # what this prompt cannot reuse is stale: free it now, or a prompt whose prefix
-            # changed early could wait forever behind its own owner's protected KV
-            self.resident.trim(seq.owner, reuse)
-        if not self.reclaim(
-            self.pool.blocks_for(seq.num_tokens) - self.pool.blocks_for(reuse), keep_owner=seq.owner
-        ):
-            return False
-        if self._reusable(seq) != reuse:  # a hook released the owner's KV after all
-            reuse = 0
-            if not self.reclaim(self.pool.blocks_for(seq.num_tokens)):
-                return False
+        """Move the head of `waiting` to `running` if its blocks fit. Its prompt starts on the
+        longer of its owner's resident chain and the longest cached chain of its hashes; its
+        last token is always computed (its logits are the reply's first)."""
+        bs, n = self.pool.block_size, seq.num_tokens
+        # the owner's KV leaves `resident` while we decide, so no hook can take it meanwhile
         entry = self.resident.take(seq.owner) if seq.owner is not None else None
-        if entry is not None:
-            seq.block_table = entry.block_table
-            seq.num_computed = reuse
-        seq.block_table += self.pool.allocate(
-            self.pool.blocks_for(seq.num_tokens) - len(seq.block_table)
-        )
+        own = min(common_prefix(entry.token_ids, seq.token_ids), n - 1) if entry else 0
+        hits = self.pool.lookup(seq.hashes(bs)[: (n - 1) // bs])
+        if entry is not None and own > len(hits) * bs:
+            # what this prompt cannot reuse is stale: let it go now, or a prompt whose prefix
+            # changed early could wait forever behind its own owner's KV
+            table, computed = self.resident.cut(entry, own)
+            seq.num_hit_tokens = 0
+        else:
+            self.pool.share(hits)  # held before the entry lets go: it may hold the same blocks
+            if entry is not None:
+                self.pool.free(entry.block_table)
+            table, computed = hits, len(hits) * bs
+            seq.num_hit_tokens = computed
+        if not self.reclaim(self.pool.blocks_for(n) - len(table), keep_owner=seq.owner):
+            if entry is not None and computed:  # kept for the next try
+                self.resident.put(seq.owner, ResidentKV(seq.token_ids[:computed], table))
+            else:
+                self.pool.free(table)
+            return False
+        seq.block_table = table + self.pool.allocate(self.pool.blocks_for(n) - len(table))
+        seq.num_computed = computed
+        seq.num_registered = 0  # an adopted chain may hold full blocks not yet offered
+        self.prefix_queries += n
+        self.prefix_hits += computed
         seq.status = SequenceStatus.RUNNING
         self.waiting.popleft()
         self.running.append(seq)
         return True
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Offer the sequence's newly computed full blocks to the prefix cache."""
+        full = min(seq.num_computed // self.pool.block_size, len(seq.block_table))
+        if full <= seq.num_registered:
+            return
+        hashes = seq.hashes(self.pool.block_size)
+        for i in range(seq.num_registered, min(full, len(hashes))):
+            self.pool.register(seq.block_table[i], hashes[i])
+        seq.num_registered = full
 
     def _plan_tokens(self, plan: StepPlan, seq: Sequence, budget: int) -> int:
         """Add `seq`'s work to the plan: a decode only when its last token alone is left
@@ -190,10 +216,17 @@ class Scheduler:
         return plan
 
     def check_integrity(self) -> None:
-        """Every used block is held by exactly one running sequence or resident entry."""
-        self.pool.check_integrity()
-        held = [b for s in self.running for b in s.block_table] + self.resident.blocks()
-        assert len(held) == len(set(held)) == self.pool.num_used, (len(held), self.pool.num_used)
-        assert not any(s.block_table for s in self.waiting)
+        """Every block's refcount is the number of running sequences and resident entries
+        holding it, none holds a block twice, and a block a sequence still writes is its own."""
+        holders = Counter(self.resident.blocks())
+        bs = self.pool.block_size
         for seq in self.running:
-            assert len(seq.block_table) * self.pool.block_size >= seq.num_computed
+            holders.update(seq.block_table)
+            assert len(set(seq.block_table)) == len(seq.block_table)
+            assert len(seq.block_table) * bs >= seq.num_computed
+            for b in seq.block_table[seq.num_computed // bs :]:  # written from here on
+                assert self.pool.refcount(b) == 1 and not self.pool.is_hashed(b), (seq.seq_id, b)
+        for _, entry in self.resident.items():
+            assert len(set(entry.block_table)) == len(entry.block_table)
+        self.pool.check_integrity(holders)
+        assert not any(s.block_table for s in self.waiting)

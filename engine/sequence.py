@@ -8,6 +8,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from engine.block_hash import extend_hashes
 from engine.errors import InvalidRequest, PromptTooLong
 
 MAX_STOP_STRINGS = 8
@@ -104,6 +105,8 @@ class Sequence:
     params: SamplingParams
     owner: str | None = None
     retain: bool = False
+    cache_ns: str | None = None  # whose prefix cache it reads and fills (its user)
+    shareable_prefix: int = 0  # leading tokens any user may share (an operator's prompt)
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_prompt_tokens: int = 0
     num_computed: int = 0
@@ -115,6 +118,9 @@ class Sequence:
     cancelled: bool = False
     num_preemptions: int = 0
     rng: object = None  # torch.Generator for sampled requests, made by the runner
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, see block_hash
+    num_registered: int = 0  # leading blocks already offered to the prefix cache
+    num_hit_tokens: int = 0  # prompt tokens found in the prefix cache when admitted
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
@@ -134,3 +140,10 @@ class Sequence:
     @property
     def generated_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    def hashes(self, block_size: int) -> list[bytes]:
+        """Chain hashes of its full blocks so far (extended as tokens are generated)."""
+        extend_hashes(
+            self.block_hashes, self.token_ids, block_size, self.cache_ns, self.shareable_prefix
+        )
+        return self.block_hashes
