@@ -11,9 +11,12 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine import Engine, FinishReason, RequestHandle, SamplingParams, ServerBusy
+from engine.resident import common_prefix
 from tests.fake_model import VOCAB, expected_reply, fake_engine
 
 WAIT_S = 30.0  # far above what any request here needs: hitting it means something hangs
+SYSTEM = list(range(500, 541))  # an operator-shared system prompt: 41 tokens, any user shares
+USERS = ["u0", "u1", "u2"]  # prefix-cache namespaces; sessions of one user share theirs
 
 
 @dataclass
@@ -22,6 +25,7 @@ class Sent:
     prompt: list[int]
     params: SamplingParams
     owner: str | None
+    user: str | None = None
 
 
 @dataclass
@@ -38,6 +42,10 @@ class Crowd:
     def prompt_for(self, owner: str | None) -> list[int]:
         rng, limit = self.rng, self.engine.max_model_len - 1
         fresh = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, min(160, limit)))]
+        if rng.random() < 0.4:  # a new conversation under the shared system prompt
+            fresh = SYSTEM + fresh
+        elif rng.random() < 0.3 and self.sent:  # someone's earlier prompt, sent again
+            fresh = list(rng.choice(self.sent[-30:]).prompt)
         history = self.conversations.get(owner or "", [])
         roll = rng.random()
         if history and roll < 0.6:  # the owner's next turn: history + a new message
@@ -59,14 +67,23 @@ class Crowd:
         params = SamplingParams(
             temperature=0, max_new_tokens=rng.randint(1, 48), ignore_eos=rng.random() < 0.2
         )
+        user = USERS[int(owner[1:]) % len(USERS)] if owner else rng.choice([None, *USERS])
+        shared = len(SYSTEM) if prompt[: len(SYSTEM)] == SYSTEM else 0
         try:
-            handle = self.engine.submit(prompt, params, owner=owner, retain=owner is not None)
+            handle = self.engine.submit(
+                prompt,
+                params,
+                owner=owner,
+                retain=owner is not None,
+                cache_ns=user,
+                shareable_prefix=shared,
+            )
         except ServerBusy:
             self.rejected += 1
             return
         if owner is not None:
             self.busy_owners.add(owner)
-        self.sent.append(Sent(handle, prompt, params, owner))
+        self.sent.append(Sent(handle, prompt, params, owner, user))
 
     def settle_owners(self) -> None:
         """Owners whose turn ended may come back with the conversation extended."""
@@ -99,6 +116,7 @@ def simulate(seed: int, requests: int, num_blocks: int, **settings: object) -> C
         for s in crowd.sent:
             assert s.handle._done.wait(WAIT_S), f"request {s.handle.seq_id} waits forever"
         check_replies(crowd)
+        check_isolation(crowd)
         engine.check_integrity()
         stats = engine.stats()
         assert stats.running == 0 and stats.waiting == 0
@@ -121,6 +139,20 @@ def check_replies(crowd: Crowd) -> None:
             assert h.token_ids == want[: len(h.token_ids)]
         else:
             assert h.token_ids == want, f"request {h.seq_id} differs from its solo reply"
+
+
+def check_isolation(crowd: Crowd) -> None:
+    """No request found more in the prefix cache than what an earlier request of its own
+    user wrote, or the shared system prompt's full blocks; and the cache did find things."""
+    bs = crowd.engine.config.block_size
+    shared_blocks = len(SYSTEM) // bs * bs
+    for i, s in enumerate(crowd.sent):
+        allowed = shared_blocks if s.prompt[: len(SYSTEM)] == SYSTEM else 0
+        for t in crowd.sent[: i + 1]:
+            if s.user is not None and t.user == s.user:
+                allowed = max(allowed, common_prefix(t.prompt + t.handle.token_ids, s.prompt))
+        assert s.handle.num_hit_tokens <= allowed, (i, s.handle.num_hit_tokens, allowed)
+    assert sum(s.handle.num_hit_tokens for s in crowd.sent) > 0
 
 
 SCENARIOS = [  # (seed, requests, blocks, engine settings)
