@@ -60,6 +60,18 @@ class CrowdchatCollector(Collector):
         yield _gauge("running_requests", "Requests in the running batch", s.running)
         yield _gauge("queue_length", "Requests waiting to be admitted", s.waiting)
         yield _gauge("kv_blocks_used", "KV pool blocks in use", s.blocks_used)
+        yield _gauge(
+            "kv_blocks_cached", "Free KV blocks still holding a cached prefix", s.blocks_cached
+        )
+        yield _gauge("kv_blocks_shared", "KV blocks held by two or more", s.blocks_shared)
+        yield _counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            s.prefix_cache_queries,
+        )
+        yield _counter(
+            "prefix_cache_hits", "Prompt tokens whose KV was already cached", s.prefix_cache_hits
+        )
         yield _gauge("kv_blocks_free", "KV pool blocks free", s.blocks_free)
         yield _gauge("kv_blocks_total", "KV pool blocks in all", s.blocks_total)
         yield _gauge(

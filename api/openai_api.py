@@ -19,6 +19,7 @@ from api.streaming import DeltaStream
 from engine import Engine
 from sessions import Reply, SessionManager
 from sessions.relay import Delta, End, Event, Failed
+from sessions.reply import kv_source
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.1  # how often a request that has sent nothing yet checks its client
@@ -144,8 +145,9 @@ async def _respond(
         "created": int(time.time()),
         "model": model_name,
     }
-    # where a session's KV came from this turn: resident, host, disk or cold (recomputed)
-    kv = {} if source.restored_from is None else {"X-Crowdchat-KV": source.restored_from}
+    # where the prompt's KV came from: resident, host, disk, cached (shared blocks) or cold
+    where = kv_source(source)
+    kv = {} if where is None else {"X-Crowdchat-KV": where}
     if req.stream:
         return StreamingResponse(
             _sse(stream, first, source, meta, req.include_usage),

@@ -124,6 +124,15 @@ class BlockPool:
             blocks.append(b)
         return blocks
 
+    def forget_cached(self) -> int:
+        """Empty every cached block nobody holds (held blocks stay cached); how many."""
+        n = len(self._cached)
+        for b in self._cached:
+            del self._by_hash[self._hash_of.pop(b)]
+            self._empty.append(b)
+        self._cached.clear()
+        return n
+
     def check_integrity(self, holders: Counter[int] | None = None) -> None:
         """Every block is exactly one of empty, cached, used; empty + cached + used == total;
         the hash maps mirror each other; with `holders` (block -> how many hold it), every

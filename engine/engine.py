@@ -204,6 +204,11 @@ class Engine:
         """Free an owner's resident KV; True if it had any."""
         return self._call(lambda: self.scheduler.resident.drop(owner))
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the KV of every cached block nobody holds (benchmarks measure cold turns
+        with it); returns how many blocks were forgotten."""
+        return self._call(self.scheduler.pool.forget_cached)
+
     def resident_kv(self) -> dict[str, tuple[int, int, float]]:
         """owner -> (tokens, blocks, seconds idle) of every resident KV."""
         return self._call(self.scheduler.resident.summary)

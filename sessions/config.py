@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from engine.errors import InvalidRequest
@@ -29,6 +30,11 @@ class SessionConfig(Settings):
     tokens_per_minute: int = setting(
         20_000, "per-user budget of new prompt + generated tokens (0: off)"
     )
+    shared_system_prompt: Path | None = setting(
+        None,
+        "a text file: the system prompt of conversations without their own, whose KV all "
+        "users share (prefilled once); off: only the template's default is shared",
+    )
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -42,3 +48,18 @@ class SessionConfig(Settings):
         need(self.max_message_chars >= 1, "--max-message-chars must be >= 1")
         need(self.max_tokens_per_turn >= 1, "--max-tokens-per-turn must be >= 1")
         need(self.tokens_per_minute >= 0, "--tokens-per-minute must be >= 0 (0: off)")
+        if self.shared_system_prompt is not None:
+            object.__setattr__(self, "shared_system_prompt", Path(self.shared_system_prompt))
+            need(
+                self.shared_system_prompt.is_file(),
+                f"--shared-system-prompt file not found: {self.shared_system_prompt}",
+            )
+
+    def shared_system_text(self) -> str:
+        """The operator's shared system prompt ('' when none is configured)."""
+        if self.shared_system_prompt is None:
+            return ""
+        try:
+            return self.shared_system_prompt.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidRequest(f"--shared-system-prompt cannot be read: {e}") from None

@@ -43,13 +43,19 @@ class SessionManager:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(data_dir / "crowdchat.db")
         self.files = SnapshotFiles(data_dir / "snapshots")
-        self.prompts = PromptEncoder(ChatFormatter(engine.tokenizer), engine.max_model_len)
+        self.default_system = config.shared_system_text()
+        self.prompts = PromptEncoder(
+            ChatFormatter(engine.tokenizer),
+            engine.max_model_len,
+            (self.default_system,) if self.default_system else (),
+        )
         self.formatter = self.prompts.formatter
         self.limiter = TokenRateLimiter(config.tokens_per_minute)
         self._active: dict[str, ChatTurn | None] = {}  # session id -> its running turn
         self._active_lock = threading.Lock()
         self.residency = Residency(engine, config, self.store, self.files, self._is_busy)
         self.offload = self.residency.offload
+        self.offload.cache_key = self._cache_key
 
     # -- sessions -----------------------------------------------------------------------
     def create_session(self, owner: str, title: str = "", system_prompt: str = "") -> dict:
@@ -108,7 +114,9 @@ class SessionManager:
         and its reply budget up front, as nothing is kept to charge later."""
         params = self._limit(owner, params)
         ids = self.prompts.encode(clean_messages(messages, self.config.max_message_chars))
-        handle = self.engine.submit(ids, params)
+        handle = self.engine.submit(
+            ids, params, cache_ns=owner, shareable_prefix=self.prompts.shareable(ids)
+        )
         self.limiter.record(owner, len(ids) + params.max_new_tokens)
         return OneOffReply(handle, self.engine.queue_position)
 
@@ -119,7 +127,10 @@ class SessionManager:
         params = self._limit(owner, params)
         with self._claimed(sid) as session:
             history = self.store.messages(sid)
-            convo = [*conversation(session, history), {"role": "user", "content": text}]
+            convo = [
+                *conversation(session, history, self.default_system),
+                {"role": "user", "content": text},
+            ]
             prompt = self.prompts.encode_fitting(convo, params)
             update = {"state": SessionState.ACTIVE, "last_active": time.time()}
             if not session["title"]:
@@ -137,7 +148,8 @@ class SessionManager:
             old = history.pop() if history and history[-1]["role"] == "assistant" else None
             if not history or history[-1]["role"] != "user":
                 raise InvalidRequest("there is no message to answer again")
-            prompt = self.prompts.encode_fitting(conversation(session, history), params)
+            convo = conversation(session, history, self.default_system)
+            prompt = self.prompts.encode_fitting(convo, params)
             replace = functools.partial(self._replace, reply_ids=[old["id"]] if old else [])
             return self._start(sid, prompt, params, session, on_accept=replace)
 
@@ -154,7 +166,10 @@ class SessionManager:
                 replies.append(history.pop())
             if not history:
                 raise InvalidRequest("there is no message to edit")
-            convo = [*conversation(session, history[:-1]), {"role": "user", "content": text}]
+            convo = [
+                *conversation(session, history[:-1], self.default_system),
+                {"role": "user", "content": text},
+            ]
             prompt = self.prompts.encode_fitting(convo, params)
             replace = functools.partial(
                 self._replace, reply_ids=[r["id"] for r in replies], edit=(history[-1]["id"], text)
@@ -255,7 +270,13 @@ class SessionManager:
             prompt,
             params,
             restore=functools.partial(self.residency.restore, sid, had_kv=prior > 0),
-            submit=functools.partial(self.engine.submit, owner=sid, retain=True),
+            submit=functools.partial(
+                self.engine.submit,
+                owner=sid,
+                retain=True,
+                cache_ns=session["owner"],
+                shareable_prefix=self.prompts.shareable(prompt),
+            ),
             queue_position=self.engine.queue_position,
             on_end=functools.partial(self._end_turn, owner=session["owner"]),
             on_accept=on_accept,
@@ -308,6 +329,11 @@ class SessionManager:
             log.info("session %s was deleted during its turn; its reply is dropped", sid)
         finally:
             self._release(sid)
+
+    def _cache_key(self, sid: str, token_ids: list[int]) -> tuple[str | None, int]:
+        """The prefix-cache namespace (its owner) and shareable prefix of a session's KV."""
+        row = self.store.get_session(sid)
+        return (row["owner"] if row else None), self.prompts.shareable(token_ids)
 
     def _is_busy(self, sid: str) -> bool:
         return sid in self._active

@@ -52,6 +52,9 @@ class KVOffloader:
         self.host_budget = host_budget_bytes if self.pin else 0
         self.disk_budget = disk_budget_bytes
         self.on_state = on_state  # (session id, new state): the manager records it
+        # (session id, token ids) -> the prefix-cache namespace and shareable prefix its KV
+        # is loaded under (the manager sets it; by default nothing of it is shared)
+        self.cache_key: Callable[[str, list[int]], tuple[str | None, int]] = lambda s, i: (None, 0)
         self.host: OrderedDict[str, KVExport] = OrderedDict()  # LRU first
         self.lock = threading.Lock()  # guards `host`; never held while waiting on others
         # one persist, restore, write or discard per session at a time (so a discard waits for
@@ -138,7 +141,7 @@ class KVOffloader:
             return "resident"
         with self.lock:
             kv = self.host.get(sid)
-        if kv is not None and self.engine.import_kv(sid, kv):
+        if kv is not None and self.engine.import_kv(sid, kv, *self.cache_key(sid, kv.token_ids)):
             with self.lock:
                 self.host.pop(sid, None)
             self.restores["host"] += 1
@@ -151,7 +154,7 @@ class KVOffloader:
             self.drop_snapshot(sid)
             return "cold"
         ids, k, v = got
-        if not self.engine.import_kv(sid, KVExport(ids, k, v)):
+        if not self.engine.import_kv(sid, KVExport(ids, k, v), *self.cache_key(sid, ids)):
             return "cold"
         self.restores["disk"] += 1
         return "disk"

@@ -42,14 +42,11 @@ def clean_messages(messages: list[Message], limit: int) -> list[Message]:
     return out
 
 
-def conversation(session: dict, history: list[dict]) -> list[Message]:
-    """The session's system prompt and stored messages as chat messages (empty replies,
-    e.g. a turn stopped before its first token, are left out)."""
-    convo = (
-        [{"role": "system", "content": session["system_prompt"]}]
-        if session["system_prompt"]
-        else []
-    )
+def conversation(session: dict, history: list[dict], default_system: str = "") -> list[Message]:
+    """The session's system prompt (or the server's default) and stored messages as chat
+    messages (empty replies, e.g. a turn stopped before its first token, are left out)."""
+    system = session["system_prompt"] or default_system
+    convo = [{"role": "system", "content": system}] if system else []
     convo += [
         {"role": m["role"], "content": m["content"]}
         for m in history
@@ -82,12 +79,37 @@ def first_kept(costs: list[int], is_user: list[bool], fixed: int, budget: int) -
 
 class PromptEncoder:
     """The one ChatFormatter of the session layer, and the context it must fit. Each piece
-    of text (a message, a piece of the template) is tokenized once and cached."""
+    of text (a message, a piece of the template) is tokenized once and cached.
 
-    def __init__(self, formatter: ChatFormatter, max_model_len: int) -> None:
+    `shared_system_prompts` are the operator's: conversations that start with one of them (or
+    with the template's own default system prompt) may share its KV with every user.
+    """
+
+    def __init__(
+        self,
+        formatter: ChatFormatter,
+        max_model_len: int,
+        shared_system_prompts: tuple[str, ...] = (),
+    ) -> None:
         self.formatter = formatter
         self.max_model_len = max_model_len
         self._tokens = functools.lru_cache(maxsize=TOKEN_CACHE_ENTRIES)(self._tokenize)
+        probe = {"role": "user", "content": "?"}
+        heads = [self.pieces([probe])[0]]  # template text only: its default system prompt
+        for text in shared_system_prompts:
+            p = self.pieces([{"role": "system", "content": text}, probe])
+            heads.append(p[0] + p[1] + p[2])  # up to where the first user message starts
+        self.shared_heads = sorted(set(heads), key=len, reverse=True)
+
+    def shareable(self, ids: list[int]) -> int:
+        """How many leading tokens of `ids` any user may share: the longest operator-shared
+        head they start with. Judged by the ids alone (wherever they came from: a prompt, a
+        snapshot), and safe so: a user's text is tokenized with special tokens split, so it
+        can never produce the template's markup that closes a shared head."""
+        for head in self.shared_heads:
+            if len(head) <= len(ids) and tuple(ids[: len(head)]) == head:
+                return len(head)
+        return 0
 
     def encode(self, messages: list[Message]) -> list[int]:
         """Token ids of a conversation as it is (a one-off request: nothing is dropped)."""

@@ -31,12 +31,27 @@ class Reply(Protocol):
         """Where a session's KV came from (resident / host / disk / cold); None for a
         one-off request, which has no session."""
 
+    @property
+    def num_hit_tokens(self) -> int:
+        """Prompt tokens whose KV the prefix cache held (shared blocks, not the session's own
+        resident KV)."""
+
     def queue_position(self) -> int | None:
         """Requests ahead of this one while it waits; None otherwise."""
 
     def cancel(self) -> None: ...
 
     def __iter__(self) -> Iterator[str]: ...
+
+
+def kv_source(reply: Reply) -> str | None:
+    """Where the reply's prompt KV came from, for the X-Crowdchat-KV header: the session's own
+    (resident / host / disk), `cached` when it started from shared prefix-cache blocks
+    instead of a recompute, `cold` when it was all computed; None for a one-off request that
+    found nothing cached."""
+    if reply.restored_from in (None, "cold") and reply.num_hit_tokens > 0:
+        return "cached"
+    return reply.restored_from
 
 
 class OneOffReply:
@@ -65,6 +80,10 @@ class OneOffReply:
     @property
     def num_generated_tokens(self) -> int:
         return self.handle.num_generated_tokens
+
+    @property
+    def num_hit_tokens(self) -> int:
+        return self.handle.num_hit_tokens
 
     def queue_position(self) -> int | None:
         return self._queue_position(self.handle)

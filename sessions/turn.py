@@ -69,6 +69,11 @@ class ChatTurn:
     def num_generated_tokens(self) -> int:
         return self.handle.num_generated_tokens if self.handle else 0
 
+    @property
+    def num_hit_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache (not this session's own resident KV)."""
+        return self.handle.num_hit_tokens if self.handle else 0
+
     def queue_position(self) -> int | None:
         """Requests ahead of this one while it waits; None otherwise."""
         if self.handle is None:

@@ -8,7 +8,8 @@ from pathlib import Path
 from engine import SamplingParams
 from engine.chat_format import ChatFormatter
 from engine.loader import LoadedModel
-from tests.conftest import make_engine
+from sessions.reply import kv_source
+from tests.conftest import close_sessions, make_engine, make_sessions
 from tests.fake_model import expected_reply, fake_engine
 
 SYSTEM = list(range(100, 164))  # 64 tokens: 4 blocks of 16
@@ -155,3 +156,31 @@ def test_fp32_a_reply_on_shared_blocks_equals_a_cold_recompute_and_restores_load
         engine.check_integrity()
     finally:
         engine.shutdown()
+
+
+def test_sessions_share_the_operators_system_prompt_and_nothing_users_wrote(
+    fp32_model: LoadedModel, tmp_path: Path
+) -> None:
+    system_file = tmp_path / "system.txt"
+    system_file.write_text(SYSTEM_TEXT)
+    engine, sm = make_sessions(fp32_model, tmp_path / "data", shared_system_prompt=system_file)
+    bs = engine.config.block_size
+    question = "Which is longer, a bridge or a tunnel? Answer in one sentence, please."
+    try:
+        first = sm.chat("alice", sm.create_session("alice")["id"], question, GREEDY)
+        first.result()
+        shared = sm.prompts.shareable(first.prompt)
+        assert shared > bs and first.num_hit_tokens == 0
+        bob = sm.chat("bob", sm.create_session("bob")["id"], question, GREEDY)
+        bob.result()  # alice's exact first message: only the system prompt's blocks hit
+        assert bob.num_hit_tokens == shared // bs * bs and kv_source(bob) == "cached"
+        assert bob.text == first.text
+        again = sm.chat("alice", sm.create_session("alice")["id"], question, GREEDY)
+        again.result()  # alice herself, in a new conversation: her message hits too
+        assert again.num_hit_tokens > shared // bs * bs and again.text == first.text
+        own = sm.create_session("bob", system_prompt="You answer in French.")
+        mine = sm.chat("bob", own["id"], question, GREEDY)
+        mine.result()  # a user's own system prompt is never shared
+        assert mine.num_hit_tokens == 0 and kv_source(mine) == "cold"
+    finally:
+        close_sessions(engine, sm)

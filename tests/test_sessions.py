@@ -111,7 +111,10 @@ def test_bad_snapshots_fall_back_to_recompute(
         reference = sm.chat("u", cold["id"], Q2, GREEDY).result()
         turn = sm.chat("u", bad["id"], Q2, GREEDY)
         assert turn.result() == reference
-        assert turn.restored_from == "cold" and turn.handle.num_cached_tokens == 0
+        assert turn.restored_from == "cold"
+        # nothing came from the bad file: what was reused, the prefix cache found (the first
+        # turn's blocks, which this server computed)
+        assert turn.handle.num_cached_tokens == turn.handle.num_hit_tokens
         assert sm.store.get_snapshot(bad["id"]) is None  # the bad file is forgotten
     finally:
         close_sessions(engine, sm)

@@ -7,6 +7,7 @@ import datetime as dt
 import gradio as gr
 import pandas as pd
 
+from engine.metrics import EngineStats
 from sessions import SessionManager
 from ui.monitor import Monitor, memory
 
@@ -42,6 +43,13 @@ def memory_bar(monitor: Monitor) -> str:
     )
 
 
+def prefix_hit_rate(s: EngineStats) -> str:
+    """Prompt tokens whose KV was already there, over all prompt tokens admitted."""
+    if not s.prefix_cache_queries:
+        return "–"
+    return f"{100 * s.prefix_cache_hits / s.prefix_cache_queries:.1f}%"
+
+
 def totals(monitor: Monitor, sessions: SessionManager, length: float) -> str:
     s = monitor.engine.stats()
     st = sessions.stats()
@@ -52,6 +60,8 @@ def totals(monitor: Monitor, sessions: SessionManager, length: float) -> str:
         f"**KV pool** {s.blocks_used}/{s.blocks_total} blocks of {s.block_size} tokens "
         f"({s.kv_bytes / MB:,.0f} MB, {s.kv_bytes_per_token:,} bytes/token) · resident "
         f"sessions {s.resident_owners}",
+        f"**Prefix cache** hit rate {prefix_hit_rate(s)} of {s.prefix_cache_queries:,} prompt "
+        f"tokens · **blocks shared** {s.blocks_shared} · cached, free {s.blocks_cached}",
         f"**Snapshots on disk** {st.snapshots} · {st.snapshot_bytes / MB:,.1f} MB "
         f"of {st.disk_budget_bytes / MB:,.0f} MB budget · host tier {st.host_bytes / MB:,.1f} MB",
         f"**Restores** disk {st.restores['disk']} · host {st.restores['host']} · "
