@@ -291,3 +291,31 @@ def test_metrics_parse_and_show_latency_and_kv_blocks(live: LiveServer) -> None:
     assert families["crowdchat_generated_tokens"].samples[0].value >= 3
     states = {s.labels["state"] for s in families["crowdchat_sessions"].samples}
     assert {"active", "resident", "persisted", "cold"} <= states
+
+
+def test_the_prefix_cache_shows_in_the_header_and_metrics_and_is_per_key(live: LiveServer) -> None:
+    messages = [{"role": "user", "content": "Tell me, in short, what a prefix cache keeps."}]
+    ids = live.sessions.prompts.encode(messages)
+    bs = live.engine.config.block_size
+    shared = live.sessions.prompts.shareable(ids) // bs * bs  # the template's default head
+
+    def hits() -> float:
+        text = httpx.get(f"{live.url}/metrics", timeout=30).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert families["crowdchat_prefix_cache_queries"].samples[0].value > 0
+        return families["crowdchat_prefix_cache_hits"].samples[0].value
+
+    def ask(key: str) -> tuple[str | None, float]:
+        before = hits()
+        r = httpx.post(
+            f"{live.url}/v1/chat/completions",
+            json={"messages": messages, "max_tokens": 2},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+        )
+        assert r.status_code == 200
+        return r.headers.get("x-crowdchat-kv"), hits() - before
+
+    ask("pc1")
+    assert shared > 0 and ask("pc2") == ("cached", shared)  # another key: the template only
+    assert ask("pc1") == ("cached", (len(ids) - 1) // bs * bs)  # its own: all full blocks

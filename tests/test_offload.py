@@ -39,7 +39,9 @@ class FakeEngine:
     def drop_kv(self, sid: str) -> bool:
         return self.resident.pop(sid, None) is not None
 
-    def import_kv(self, sid: str, kv: KVExport) -> bool:
+    def import_kv(
+        self, sid: str, kv: KVExport, cache_ns: str | None = None, shareable_prefix: int = 0
+    ) -> bool:
         self.resident[sid] = kv
         return True
 

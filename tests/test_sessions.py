@@ -129,7 +129,10 @@ def test_five_users_share_a_pool_for_two_lru_first(nf4_model: LoadedModel, tmp_p
     )
     try:
         users = [f"user{i}" for i in range(5)]
-        sids = {u: sm.create_session(u)["id"] for u in users}
+        # each its own system prompt (the template's default, with a full stop): nothing is
+        # shared across users, so each conversation holds all its blocks
+        own = "You are a helpful AI assistant named SmolLM, trained by Hugging Face."
+        sids = {u: sm.create_session(u, system_prompt=own)["id"] for u in users}
         for rnd, q in enumerate([Q1, Q2]):
             for u in users:
                 turn = sm.chat(u, sids[u], q, GREEDY)
