@@ -11,6 +11,7 @@ from engine.loader import LoadedModel
 from sessions.reply import kv_source
 from tests.conftest import close_sessions, make_engine, make_sessions
 from tests.fake_model import expected_reply, fake_engine
+from ui.admin_page import prefix_hit_rate
 
 SYSTEM = list(range(100, 164))  # 64 tokens: 4 blocks of 16
 MESSAGE = list(range(200, 240))  # 40 tokens: 2 full blocks and 8
@@ -42,6 +43,7 @@ def test_the_shared_system_prompt_is_shared_across_users_and_their_messages_neve
         stats = engine.stats()
         assert stats.prefix_cache_hits == 64 + 96
         assert stats.prefix_cache_queries == 4 * len(prompt)
+        assert prefix_hit_rate(stats) == f"{100 * 160 / (4 * len(prompt)):.1f}%"  # admin page
     finally:
         engine.shutdown()
 
