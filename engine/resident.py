@@ -88,11 +88,6 @@ class ResidentCache:
         self.pool.free(entry.block_table)
         return True
 
-    def reusable(self, owner: str | None, token_ids: list[int]) -> int:
-        """Leading tokens of `token_ids` whose KV the owner's entry already holds."""
-        entry = self._entries.get(owner) if owner is not None else None
-        return common_prefix(entry.token_ids, token_ids) if entry is not None else 0
-
     def cut(self, entry: ResidentKV, num_tokens: int) -> tuple[list[int], int]:
         """A taken entry's chain cut to its first `num_tokens` tokens, for a sequence to write
         on: the blocks past them are let go, and so is the last kept one if it is partly kept
