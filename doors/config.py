@@ -59,15 +59,18 @@ class AppConfig(Settings):
 
         need(bool(self.host.strip()), "--host must not be empty")
         need(1 <= self.port <= 65535, f"--port must be in 1..65535, not {self.port}")
-        for name, flag in (
-            ("auth_file", "--auth"),
+        for name, what in (
+            ("auth_file", "--auth users file"),
             ("admin_password_file", "--admin-password-file"),
-            ("api_keys_file", "--api-keys"),
+            ("api_keys_file", "--api-keys file"),
         ):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, Path(value))
-                need(Path(value).is_file(), f"{flag} file not found: {value}")
+                hint = (
+                    f" (python -m ui.auth {value} NAME creates it)" if name == "auth_file" else ""
+                )
+                need(Path(value).is_file(), f"{what} not found: {value}{hint}")
         need(
             self.admin_password is None or self.admin_password != "",
             "--admin-password must not be empty (leave it out to disable /admin)",
