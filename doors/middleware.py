@@ -35,8 +35,16 @@ class Admit:
     cookie: bytes | None = None
 
 
-class BodyTooLarge(Exception):
-    """Raised into the route that reads past the body cap (a chunked body has no length)."""
+class BodyTooLarge(ApiError):
+    """Raised into the route that reads past the body cap (a chunked body has no length); an
+    ApiError, so a route that turns errors into responses answers 413 without a traceback."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"Request body too large: the limit is {limit} bytes (--max-body-bytes).",
+            status=413,
+            code="request_too_large",
+        )
 
 
 def door_of(path: str) -> str:
@@ -120,7 +128,7 @@ class Doors:
                 received += len(message.get("body", b""))
                 if received > self.max_body:
                     cut = True
-                    raise BodyTooLarge(f"request body over {self.max_body} bytes")
+                    raise BodyTooLarge(self.max_body)
             return message
 
         async def guarded_send(message: Message) -> None:

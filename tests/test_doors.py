@@ -9,6 +9,7 @@ import hmac
 import io
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -44,11 +45,12 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def signed_in(url: str, name: str, password: str = PASSWORD) -> httpx.Client:
-    http = httpx.Client(base_url=url, timeout=60)
-    r = http.post("/login", data={"username": name, "password": password})
-    assert r.status_code == 200, r.text
-    return http
+@contextmanager
+def signed_in(url: str, name: str, password: str = PASSWORD) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=url, timeout=60) as http:
+        r = http.post("/login", data={"username": name, "password": password})
+        assert r.status_code == 200, r.text
+        yield http
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +252,7 @@ def test_the_anonymous_identity_is_a_signed_httponly_samesite_cookie(anonymous: 
 def test_a_forged_or_altered_cookie_is_a_new_identity(anonymous: tuple) -> None:
     url, sm, _ = anonymous
     alice = Client(url, verbose=False)
-    alice.predict("Hello, I am Alice.", "", 0.0, 1.0, 2, api_name="/on_send")
+    alice.predict("Hello, I am Alice.", "", 0.0, 1.0, 16, api_name="/on_send")
     value = alice.cookies["crowdchat_id"]
     alice_id, _, mac = value.partition(".")
     assert len(sm.list_sessions(f"browser:{alice_id}")) == 1
