@@ -74,6 +74,8 @@ def build_app(
     css = [STATIC / "crowdchat.css"]
     admin_password = config.admin_secret()
     admin_look = {"css_paths": css, "theme": "soft", "show_error": False}
+    if users is not None and admin_password:
+        log.warning("the admin password is ignored with --auth: /admin is for admin users")
     if users is not None:  # admins are users with the admin role, signed in on the chat page
         app = gr.mount_gradio_app(
             app,

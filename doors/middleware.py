@@ -98,7 +98,10 @@ class Doors:
         self.browser_ids = browser_ids
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "websocket":  # no route speaks it: nothing unchecked gets through
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        if scope["type"] != "http":  # lifespan
             await self.app(scope, receive, send)
             return
         request = Request(scope)

@@ -83,7 +83,9 @@ class ChatPage:
         sid = choices[0][1] if choices else None
         screen.sid = sid
         history, system = self.opened(owner, sid) if sid else ([], "")
-        return None, gr.update(choices=choices, value=sid), sid, history, system
+        # "" (not None): the browser then stores the cleared value, which also tells a test
+        # that the load handler has run
+        return "", gr.update(choices=choices, value=sid), sid, history, system
 
     def on_select(self, sid: str | None, screen: Screen, request: gr.Request):  # noqa: ANN201
         """Outputs: sid, chatbot, status, system prompt box. A reply still streaming in the
