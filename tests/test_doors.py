@@ -292,7 +292,7 @@ def test_a_localstorage_identity_moves_its_conversations_to_the_cookie_once(
     old = sm.create_session(f"browser:{legacy}", title="from before the cookie")
     client = Client(url, verbose=False)
     cleared, convos, _history, _system = client.predict(legacy, api_name="/on_load")
-    assert cleared == "" and convos["value"] == old["id"]
+    assert cleared == "moved" and convos["value"] == old["id"]
     assert [c[1] for c in convos["choices"]] == [old["id"]]
     new_owner = "browser:" + client.cookies["crowdchat_id"].partition(".")[0]
     assert [s["id"] for s in sm.list_sessions(new_owner)] == [old["id"]]

@@ -22,6 +22,7 @@ from sessions.relay import Delta, End, Failed, RelayThread
 log = logging.getLogger(__name__)
 USER_ID = re.compile(r"^[0-9a-f]{32}$")
 POLL_S = 0.4
+LEGACY_DONE = "moved"  # what replaces an old localStorage id once it has been read
 
 
 def to_chatbot(messages: list[dict]) -> list[dict]:
@@ -83,9 +84,9 @@ class ChatPage:
         sid = choices[0][1] if choices else None
         screen.sid = sid
         history, system = self.opened(owner, sid) if sid else ([], "")
-        # "" (not None): the browser then stores the cleared value, which also tells a test
-        # that the load handler has run
-        return "", gr.update(choices=choices, value=sid), sid, history, system
+        # overwrite the old id (BrowserState does not store a falsy value, so None or "" would
+        # leave it in localStorage); a browser test also waits for this write
+        return LEGACY_DONE, gr.update(choices=choices, value=sid), sid, history, system
 
     def on_select(self, sid: str | None, screen: Screen, request: gr.Request):  # noqa: ANN201
         """Outputs: sid, chatbot, status, system prompt box. A reply still streaming in the
