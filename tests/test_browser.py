@@ -52,6 +52,10 @@ def test_chat_stream_stop_and_reload(browser: Browser, server: tuple) -> None:
     context = browser.new_context(viewport={"width": 1100, "height": 900})
     page = context.new_page()
     page.goto(url + "/")
+    # the identity is a signed HttpOnly cookie: the browser keeps it, page scripts cannot read it
+    cookie = {c["name"]: c for c in context.cookies()}["crowdchat_id"]
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Lax"
+    assert "crowdchat_id" not in page.evaluate("document.cookie")
     page.locator("#message textarea").fill("Write a long story about a brave little robot.")
     page.locator("#send").click()
     # the reply streams in: text appears and keeps growing
