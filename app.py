@@ -109,6 +109,7 @@ def build_app(
         auth_enabled=users is not None,
         browser_ids=browser_ids,
         browser_secret=browser_secret(data_dir),
+        move_sessions=sessions.store.reassign_owner,
     )
     section = KeysSection(keys, page) if users is not None else None
     chat = build_chat_blocks(page, concurrency=engine.config.max_num_seqs, keys=section)

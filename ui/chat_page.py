@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import gradio as gr
@@ -47,9 +47,12 @@ class ChatPage:
         auth_enabled: bool = False,
         browser_ids: BrowserIds | None = None,
         browser_secret: str | None = None,
+        move_sessions: Callable[[str, str], int] | None = None,
     ) -> None:
         self.sm = sessions
         self.auth_enabled = auth_enabled
+        # (old owner, new owner) -> how many moved: one UPDATE on the store's writer
+        self.move_sessions = move_sessions
         self.browser_ids = browser_ids or BrowserIds(secrets.token_hex(32), per_minute=1000)
         # the key of the old localStorage identity (gr.BrowserState), read once to migrate
         self.browser_secret = browser_secret or secrets.token_hex(16)
@@ -74,11 +77,10 @@ class ChatPage:
         background. `legacy`: the id an older crowdchat kept in localStorage; its
         conversations move to this browser's cookie identity once, then it is cleared."""
         owner = self.owner(request)
-        if legacy and USER_ID.match(legacy) and not self.auth_enabled:
+        if legacy and USER_ID.match(legacy) and self.move_sessions and not self.auth_enabled:
             old = f"browser:{legacy}"
-            if old != owner and self.sm.list_sessions(old):
-                # the store's one writer does it in one UPDATE; owners are checked per call
-                moved = self.sm.store.reassign_owner(old, owner)
+            if old != owner and self.sm.list_sessions(old):  # owners are checked per call
+                moved = self.move_sessions(old, owner)
                 log.info("moved %d conversations from a localStorage id to a cookie id", moved)
         choices = self.choices(owner)
         sid = choices[0][1] if choices else None
