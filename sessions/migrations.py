@@ -49,7 +49,26 @@ def m003_snapshots(db: Database) -> None:
     )  # fmt: skip
 
 
-MIGRATIONS: list[Callable[[Database], None]] = [m001_sessions, m002_messages, m003_snapshots]
+def m004_api_keys(db: Database) -> None:
+    # only the key's sha256 is kept: a key is shown once, when it is issued
+    db.table("api_keys").create(
+        {
+            "id": str, "owner": str, "name": str, "hash": str, "created": float,
+            "last_used": float, "revoked": float,
+        },
+        pk="id",
+        not_null=["owner", "name", "hash", "created"],
+    )  # fmt: skip
+    db.table("api_keys").create_index(["hash"], unique=True)
+    db.table("api_keys").create_index(["owner"])
+
+
+MIGRATIONS: list[Callable[[Database], None]] = [
+    m001_sessions,
+    m002_messages,
+    m003_snapshots,
+    m004_api_keys,
+]
 
 
 def migrate(db: Database) -> list[str]:
