@@ -1,0 +1,250 @@
+"""Who is admitted next and who gets the step's prefill budget: FCFS, or fair share by served work.
+
+`VirtualTokenCounter` is the VTC of Sheng et al., "Fairness in Serving Large Language Models"
+(OSDI 2024): a counter of weighted service per user (prompt tokens computed x `w_prompt`,
+generated tokens x `w_gen`); admission picks the backlogged user (one with queued requests)
+with the least counter, FCFS within a user; a user who becomes backlogged is lifted to the
+least counter of the backlogged users (or, with none, of the last one to leave the queue), so
+idle time is not banked (as in the paper, the last level is taken before that user's
+admission charge). Work-conserving: a user alone gets everything.
+
+Both policies also count the tokens computed per user (`served`) for `/metrics` and the admin
+page. The engine thread calls every method except `served_top`, which any thread may call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+from engine.sequence import Sequence
+
+__all__ = ["FcfsPolicy", "SchedulePolicy", "VirtualTokenCounter", "make_policy", "owner_label"]
+
+SERVED_CAP = 10_000  # users whose served tokens are kept one by one; the rest fold into "other"
+COUNTERS_CAP = 4096  # beyond this many counters, idle users at or below the floor are dropped
+
+
+def user_of(seq: Sequence) -> str:
+    """The fairness unit: the identity behind the request (else its KV owner)."""
+    return seq.user or seq.owner or ""
+
+
+def owner_label(user: str) -> str:
+    """What `/metrics` and the admin page show for a user: a short hash, never the raw id
+    (a browser id or an API key is a bearer credential)."""
+    return hashlib.sha256(user.encode()).hexdigest()[:12]
+
+
+class SchedulePolicy:
+    """FCFS admission (the base behaviour) plus per-user served-token accounting."""
+
+    name = "fcfs"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # guards `served` and `other` (read by any thread)
+        self.served: dict[str, list[int]] = {}  # user -> [prompt tokens, generated tokens]
+        self.other = [0, 0]  # folded users beyond SERVED_CAP
+
+    # -- queue events (engine thread) -----------------------------------------------------
+    def queued(self, seq: Sequence) -> None:
+        """`seq` entered `waiting` (new, or preempted)."""
+
+    def left(self, seq: Sequence) -> None:
+        """`seq` left `waiting` (admitted or ended)."""
+
+    def admitted(self, seq: Sequence) -> None:
+        """`seq` was admitted; `num_computed` tokens of it were reused, the rest is to compute."""
+        self.left(seq)
+
+    # -- decisions ------------------------------------------------------------------------
+    def prefill_order(
+        self, running: list[Sequence], waiting: Iterable[Sequence]
+    ) -> Iterator[Sequence]:
+        """Running sequences with prompt left, then waiting ones, in the order the step's
+        prefill budget goes to them (a waiting one is admitted when its turn comes)."""
+        yield from [s for s in running if s.num_uncomputed > 1]
+        yield from list(waiting)
+
+    def admission_order(self, waiting: Iterable[Sequence]) -> list[Sequence]:
+        """The waiting sequences in the order they would be admitted from now on."""
+        return list(waiting)
+
+    def victim(self, running: list[Sequence]) -> Sequence:
+        """The running sequence to preempt when the pool is short: the youngest."""
+        return running[-1]
+
+    # -- accounting -----------------------------------------------------------------------
+    def charge(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> None:
+        """Record a planned step: each decode and each prompt-finishing chunk yields a token."""
+        with self._lock:
+            for seq in decodes:
+                self._served(user_of(seq))[1] += 1
+            for seq, n in prefills:
+                row = self._served(user_of(seq))
+                row[0] += n
+                row[1] += seq.num_computed + n == seq.num_tokens
+            if len(self.served) > SERVED_CAP:
+                self._fold()
+        for seq in decodes:
+            self.generated(seq)
+        for seq, n in prefills:
+            if seq.num_computed + n == seq.num_tokens:
+                self.generated(seq)
+
+    def generated(self, seq: Sequence) -> None:
+        """`seq` is about to produce one token (VTC charges it)."""
+
+    def served_top(self, n: int) -> list[tuple[str, int, int]]:
+        """[(label, prompt tokens, generated tokens)] of the `n` users served most, then
+        ("other", ...) for everyone else (any thread)."""
+        with self._lock:
+            rows = [(u, p, g) for u, (p, g) in self.served.items()]
+            other = list(self.other)
+        top = heapq.nlargest(n, rows, key=lambda r: r[1] + r[2])
+        shown = {u for u, _, _ in top}
+        for u, p, g in rows:
+            if u not in shown:
+                other[0] += p
+                other[1] += g
+        out = [(owner_label(u), p, g) for u, p, g in top]
+        return [*out, ("other", *other)] if any(other) else out
+
+    def check(self, waiting: Iterable[Sequence]) -> None:
+        """Assert the policy's view of the queue matches `waiting`."""
+
+    def _served(self, user: str) -> list[int]:
+        row = self.served.get(user)
+        if row is None:
+            row = self.served[user] = [0, 0]
+        return row
+
+    def _fold(self) -> None:
+        """Keep the memory bounded: the least-served half goes into "other"."""
+        keep = sorted(self.served.items(), key=lambda kv: kv[1][0] + kv[1][1])
+        for user, (p, g) in keep[: len(keep) // 2]:
+            self.other[0] += p
+            self.other[1] += g
+            del self.served[user]
+
+
+FcfsPolicy = SchedulePolicy
+
+
+class VirtualTokenCounter(SchedulePolicy):
+    """Fair share by served work per user (see the module docstring)."""
+
+    name = "fair"
+
+    def __init__(self, w_prompt: float = 1.0, w_gen: float = 2.0) -> None:
+        super().__init__()
+        self.w_prompt = w_prompt
+        self.w_gen = w_gen
+        self.counters: dict[str, float] = {}
+        self.backlog: dict[str, int] = {}  # user -> sequences waiting
+        self.last_left = 0.0  # counter of the last user whose queue emptied
+
+    def counter(self, user: str) -> float:
+        return self.counters.get(user, 0.0)
+
+    def floor(self) -> float:
+        """Where a newly backlogged user starts: the least backlogged counter."""
+        if not self.backlog:
+            return self.last_left
+        return min(self.counter(u) for u in self.backlog)
+
+    def queued(self, seq: Sequence) -> None:
+        user = user_of(seq)
+        if user not in self.backlog:
+            self.counters[user] = max(self.counter(user), self.floor())
+        self.backlog[user] = self.backlog.get(user, 0) + 1
+
+    def left(self, seq: Sequence) -> None:
+        user = user_of(seq)
+        left = self.backlog.get(user, 0) - 1
+        assert left >= 0, f"{user} left a queue it was not in"
+        if left:
+            self.backlog[user] = left
+        else:
+            del self.backlog[user]
+            self.last_left = self.counter(user)
+
+    def check(self, waiting: Iterable[Sequence]) -> None:
+        counts: dict[str, int] = {}
+        for seq in waiting:
+            counts[user_of(seq)] = counts.get(user_of(seq), 0) + 1
+        assert counts == self.backlog, (counts, self.backlog)
+
+    def admitted(self, seq: Sequence) -> None:
+        # leave first: `last_left` is the level before this prompt's charge, so a user arriving
+        # next is not lifted above a prompt that is still being prefilled
+        self.left(seq)
+        user = user_of(seq)
+        self.counters[user] = self.counter(user) + self.w_prompt * _prompt_cost(seq)
+
+    def generated(self, seq: Sequence) -> None:
+        user = user_of(seq)
+        self.counters[user] = self.counter(user) + self.w_gen
+
+    def prefill_order(
+        self, running: list[Sequence], waiting: Iterable[Sequence]
+    ) -> Iterator[Sequence]:
+        work: dict[str, deque[Sequence]] = {}
+        for seq in [s for s in running if s.num_uncomputed > 1] + list(waiting):
+            work.setdefault(user_of(seq), deque()).append(seq)
+        self._prune(work)
+        # Only the yielded user's counter changes while the caller works (an admission's
+        # charge), so a heap re-keyed for that user alone stays exact.
+        heap = [(self.counter(u), q[0].seq_id, u) for u, q in work.items()]
+        heapq.heapify(heap)
+        while heap:
+            _, _, user = heapq.heappop(heap)
+            queue = work[user]
+            yield queue.popleft()
+            if queue:
+                heapq.heappush(heap, (self.counter(user), queue[0].seq_id, user))
+
+    def admission_order(self, waiting: Iterable[Sequence]) -> list[Sequence]:
+        counters, work = dict(self.counters), {}
+        for seq in waiting:
+            work.setdefault(user_of(seq), deque()).append(seq)
+        heap = [(counters.get(u, 0.0), q[0].seq_id, u) for u, q in work.items()]
+        heapq.heapify(heap)
+        order = []
+        while heap:
+            c, _, user = heapq.heappop(heap)
+            seq = work[user].popleft()
+            order.append(seq)
+            counters[user] = c + self.w_prompt * _prompt_cost(seq)
+            if work[user]:
+                heapq.heappush(heap, (counters[user], work[user][0].seq_id, user))
+        return order
+
+    def victim(self, running: list[Sequence]) -> Sequence:
+        """The youngest running sequence of the user with the most service."""
+        heaviest = max({user_of(s) for s in running}, key=lambda u: (self.counter(u), u))
+        return next(s for s in reversed(running) if user_of(s) == heaviest)
+
+    def _prune(self, work: dict[str, deque[Sequence]]) -> None:
+        """Forget idle users who could gain nothing by being remembered: on return they are
+        lifted to at least the floor anyway (bounds memory under many identities)."""
+        if len(self.counters) <= COUNTERS_CAP:
+            return
+        floor = self.floor()
+        for user in [u for u, c in self.counters.items() if c <= floor and u not in work]:
+            if user not in self.backlog:
+                del self.counters[user]
+
+
+def _prompt_cost(seq: Sequence) -> int:
+    """Prompt tokens an admission computes: none again for a preempted sequence (the user was
+    charged once; recomputing is the server's choice), else what its reused KV does not hold."""
+    return 0 if seq.num_preemptions else seq.num_tokens - seq.num_computed
+
+
+def make_policy(name: str) -> SchedulePolicy:
+    """The policy `--schedule` names."""
+    return VirtualTokenCounter() if name == "fair" else FcfsPolicy()
