@@ -44,7 +44,9 @@ class Scheduler:
 
     Admission happens only when a request's prompt blocks fit; which waiting request goes
     next, in what order the prefill budget is shared and whom to preempt is the `policy`'s
-    (`engine.fair_share`: FCFS and the youngest, or fair share by served work per user). When
+    (`engine.fair_share`: FCFS and the youngest, or fair share by served work per user, which
+    may also swap one running sequence for a waiting user a whole slot below its fair share
+    of a full batch). When
     the pool is short it first calls the memory-pressure hook (the session layer persists idle
     owners' KV there), then drops the least recently used resident KV, then preempts.
     """
@@ -85,6 +87,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
             self.policy.left(seq)
+        self.policy.finished(seq)
         seq.status = SequenceStatus.FINISHED
         if seq.retain and seq.owner is not None and seq.block_table and seq.num_computed:
             keep = self.pool.blocks_for(seq.num_computed)
@@ -181,6 +184,10 @@ class Scheduler:
     def schedule(self, token_budget: int) -> StepPlan:
         """Plan one step under `token_budget` tokens (decodes always run)."""
         plan = StepPlan()
+        victim = self.policy.slot_victim(self.running, self.waiting, self.max_num_seqs)
+        if victim is not None:  # a user below its fair share of the slots takes one
+            self._preempt(victim)
+            plan.preempted.append(victim)
         self._grow_running(plan)
         for seq in self.running:
             if seq.num_uncomputed == 1:
