@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.load import ROOT, ReplyCount, Server, pct  # noqa: E402
 from bench.mixed import cpu_name  # noqa: E402
+from engine.fair_share import max_min_share  # noqa: E402
 
 # Per-identity caps off (0) where this build has the flag: the scheduler is what is measured.
 CAPS_OFF = (
@@ -57,21 +58,6 @@ SHARE_OUTSTANDING = {"A": 16, "B": 4, "C": 1}
 def text_of(tokens: int, rng: random.Random) -> str:
     """About `tokens` prompt tokens once the chat template is around it (one word ~ a token)."""
     return " ".join(rng.choice(WORDS) for _ in range(max(tokens - 30, 1)))
-
-
-def max_min_share(demands: dict[str, int], slots: int) -> dict[str, float]:
-    """Water-filling: each owner gets min(demand, an equal split of what is left)."""
-    share, left, todo = {}, float(slots), dict(demands)
-    while todo:
-        each = left / len(todo)
-        small = {o: d for o, d in todo.items() if d <= each}
-        if not small:
-            share.update({o: each for o in todo})
-            break
-        for o, d in small.items():
-            share[o], left = float(d), left - d
-            del todo[o]
-    return share
 
 
 @dataclass
@@ -260,10 +246,10 @@ def caps_off() -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--alone-seconds", type=float, default=20.0)
+    ap.add_argument("--alone-seconds", type=float, default=15.0)
     ap.add_argument("--mixed-seconds", type=float, default=60.0)
     ap.add_argument("--share-seconds", type=float, default=60.0)
-    ap.add_argument("--share-warmup", type=float, default=10.0)
+    ap.add_argument("--share-warmup", type=float, default=5.0)
     ap.add_argument("--share-slots", type=int, default=8)
     ap.add_argument("--light-prompt", type=int, default=100)
     ap.add_argument("--light-new", type=int, default=64)
