@@ -113,25 +113,32 @@ async def one_request(http: httpx.AsyncClient, owner: Owner, prompt: str, new_to
 
 
 async def closed_loop(
-    http: httpx.AsyncClient, owner: Owner, prompt_tokens: int, new_tokens: int, until: float
+    http: httpx.AsyncClient,
+    owner: Owner,
+    prompt_tokens: int,
+    new_tokens: int,
+    until: float,
+    delay: float,
 ) -> None:
     rng = random.Random(owner.key)
+    await asyncio.sleep(delay)
     while time.perf_counter() < until:
         await one_request(http, owner, text_of(prompt_tokens, rng), new_tokens)
 
 
 async def run_loads(
-    base: str, loads: list[tuple[Owner, int, int, int]], seconds: float
+    base: str, loads: list[tuple[Owner, int, int, int, float]], seconds: float
 ) -> tuple[float, float]:
-    """Each (owner, streams, prompt tokens, new tokens) keeps `streams` requests in flight for
-    `seconds`; then every open request is dropped (the server cancels it). Returns (t0, t1)."""
+    """Each (owner, streams, prompt tokens, new tokens, delay) keeps `streams` requests in
+    flight from `delay` seconds in until `seconds`; then every open request is dropped (the
+    server cancels it). Returns (t0, t1)."""
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=base, timeout=900, limits=limits) as http:
         t0 = time.perf_counter()
         until = t0 + seconds
         tasks = [
-            asyncio.create_task(closed_loop(http, owner, p, n, until))
-            for owner, streams, p, n in loads
+            asyncio.create_task(closed_loop(http, owner, p, n, until, delay))
+            for owner, streams, p, n, delay in loads
             for _ in range(streams)
         ]
         await asyncio.sleep(seconds)
@@ -171,19 +178,22 @@ def light_ttfts(lights: list[Owner], t0: float, t1: float) -> list[float]:
 
 def protection(server: Server, args: argparse.Namespace, policy: str) -> dict:
     lights = [Owner(f"light{i}") for i in range(4)]
-    light_load = [(o, 1, args.light_prompt, args.light_new) for o in lights]
+    light_load = [(o, 1, args.light_prompt, args.light_new, 0.0) for o in lights]
     t0, t1 = asyncio.run(run_loads(server.base, light_load, args.alone_seconds))
     alone = light_ttfts(lights, t0, t1)
     wait_idle(server)
     lights = [Owner(f"light{i}") for i in range(4)]
     heavy = Owner("heavy")
+    head = args.heavy_head_start  # the heavy owner is already busy when the light ones come
     loads = [
-        (heavy, 8, args.heavy_prompt, args.heavy_new),
-        *[(o, 1, args.light_prompt, args.light_new) for o in lights],
+        (heavy, 8, args.heavy_prompt, args.heavy_new, 0.0),
+        *[(o, 1, args.light_prompt, args.light_new, head) for o in lights],
     ]
-    m0, m1 = asyncio.run(run_loads(server.base, loads, args.mixed_seconds))
+    before = server.metrics().get("crowdchat_preemptions_total", 0)
+    m0, m1 = asyncio.run(run_loads(server.base, loads, head + args.mixed_seconds))
     wait_idle(server)
     mixed = light_ttfts(lights, m0, m1)
+    preempted = server.metrics().get("crowdchat_preemptions_total", 0) - before
     tokens = sum(o.tokens_between(m0, m1) for o in [heavy, *lights])
     out = {
         "scenario": "protection",
@@ -199,6 +209,7 @@ def protection(server: Server, args: argparse.Namespace, policy: str) -> dict:
         "light_prompt_tokens": pct([float(x) for o in lights for x in o.prompt_tokens], 50),
         "mixed_tokens": round(tokens),
         "mixed_wall_s": round(m1 - m0, 2),
+        "preemptions": preempted,
         "errors": sum(o.errors for o in [heavy, *lights]),
     }
     print(json.dumps(out), flush=True)
@@ -208,8 +219,9 @@ def protection(server: Server, args: argparse.Namespace, policy: str) -> dict:
 def share(server: Server, args: argparse.Namespace, policy: str) -> dict:
     owners = {name: Owner(name) for name in SHARE_OUTSTANDING}
     loads = [
-        (owners[n], k, args.share_prompt, args.share_new) for n, k in SHARE_OUTSTANDING.items()
+        (owners[n], k, args.share_prompt, args.share_new, 0.0) for n, k in SHARE_OUTSTANDING.items()
     ]
+    before = server.metrics().get("crowdchat_preemptions_total", 0)
     t0, t1 = asyncio.run(run_loads(server.base, loads, args.share_warmup + args.share_seconds))
     wait_idle(server)
     w0 = t0 + args.share_warmup
@@ -230,6 +242,7 @@ def share(server: Server, args: argparse.Namespace, policy: str) -> dict:
         "share_error_max": round(max(errors.values()), 4),
         "tokens": round(total),
         "wall_s": round(t1 - w0, 2),
+        "preemptions": server.metrics().get("crowdchat_preemptions_total", 0) - before,
         "errors": sum(o.errors for o in owners.values()),
     }
     print(json.dumps(out), flush=True)
@@ -248,6 +261,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--alone-seconds", type=float, default=15.0)
     ap.add_argument("--mixed-seconds", type=float, default=60.0)
+    ap.add_argument("--heavy-head-start", type=float, default=10.0)
     ap.add_argument("--share-seconds", type=float, default=60.0)
     ap.add_argument("--share-warmup", type=float, default=5.0)
     ap.add_argument("--share-slots", type=int, default=8)

@@ -9,35 +9,22 @@ idle time is not banked (as in the paper, the last level is taken before that us
 admission charge; a user with requests still running keeps up to one request's deficit, see
 `queued`). Work-conserving: a user alone gets everything.
 
-Both policies also count the tokens computed per user (`served`) for `/metrics` and the admin
-page. The engine thread calls every method except `served_top`, which any thread may call.
+Both policies also count the tokens computed per user (`engine.served`) for `/metrics` and the
+admin page. The engine thread calls every method except `served_top`, which any thread may call.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
 
 from engine.sequence import Sequence
+from engine.served import ServedTokens, user_of
 
-__all__ = ["FcfsPolicy", "SchedulePolicy", "VirtualTokenCounter", "make_policy", "owner_label"]
+__all__ = ["FcfsPolicy", "SchedulePolicy", "VirtualTokenCounter", "make_policy", "max_min_share"]
 
-SERVED_CAP = 10_000  # users whose served tokens are kept one by one; the rest fold into "other"
 COUNTERS_CAP = 4096  # beyond this many counters, idle users at or below the floor are dropped
-
-
-def user_of(seq: Sequence) -> str:
-    """The fairness unit: the identity behind the request (else its KV owner)."""
-    return seq.user or seq.owner or ""
-
-
-def owner_label(user: str) -> str:
-    """What `/metrics` and the admin page show for a user: a short hash, never the raw id
-    (a browser id or an API key is a bearer credential)."""
-    return hashlib.sha256(user.encode()).hexdigest()[:12]
 
 
 class SchedulePolicy:
@@ -46,9 +33,7 @@ class SchedulePolicy:
     name = "fcfs"
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # guards `served` and `other` (read by any thread)
-        self.served: dict[str, list[int]] = {}  # user -> [prompt tokens, generated tokens]
-        self.other = [0, 0]  # folded users beyond SERVED_CAP
+        self.served = ServedTokens()
 
     # -- queue events (engine thread) -----------------------------------------------------
     def queued(self, seq: Sequence) -> None:
@@ -90,15 +75,7 @@ class SchedulePolicy:
     # -- accounting -----------------------------------------------------------------------
     def charge(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> None:
         """Record a planned step: each decode and each prompt-finishing chunk yields a token."""
-        with self._lock:
-            for seq in decodes:
-                self._served(user_of(seq))[1] += 1
-            for seq, n in prefills:
-                row = self._served(user_of(seq))
-                row[0] += n
-                row[1] += seq.num_computed + n == seq.num_tokens
-            if len(self.served) > SERVED_CAP:
-                self._fold()
+        self.served.record(decodes, prefills)
         for seq in decodes:
             self.generated(seq)
         for seq, n in prefills:
@@ -109,36 +86,11 @@ class SchedulePolicy:
         """`seq` is about to produce one token (VTC charges it)."""
 
     def served_top(self, n: int) -> list[tuple[str, int, int]]:
-        """[(label, prompt tokens, generated tokens)] of the `n` users served most, then
-        ("other", ...) for everyone else (any thread)."""
-        with self._lock:
-            rows = [(u, p, g) for u, (p, g) in self.served.items()]
-            other = list(self.other)
-        top = heapq.nlargest(n, rows, key=lambda r: r[1] + r[2])
-        shown = {u for u, _, _ in top}
-        for u, p, g in rows:
-            if u not in shown:
-                other[0] += p
-                other[1] += g
-        out = [(owner_label(u), p, g) for u, p, g in top]
-        return [*out, ("other", *other)] if any(other) else out
+        """The `n` most served users by label, then "other" (any thread; `ServedTokens.top`)."""
+        return self.served.top(n)
 
     def check(self, waiting: Iterable[Sequence]) -> None:
         """Assert the policy's view of the queue matches `waiting`."""
-
-    def _served(self, user: str) -> list[int]:
-        row = self.served.get(user)
-        if row is None:
-            row = self.served[user] = [0, 0]
-        return row
-
-    def _fold(self) -> None:
-        """Keep the memory bounded: the least-served half goes into "other"."""
-        keep = sorted(self.served.items(), key=lambda kv: kv[1][0] + kv[1][1])
-        for user, (p, g) in keep[: len(keep) // 2]:
-            self.other[0] += p
-            self.other[1] += g
-            del self.served[user]
 
 
 FcfsPolicy = SchedulePolicy

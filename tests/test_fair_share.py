@@ -7,9 +7,10 @@ import random
 import time
 
 from engine.block_pool import BlockPool
-from engine.fair_share import FcfsPolicy, SchedulePolicy, VirtualTokenCounter, owner_label
+from engine.fair_share import FcfsPolicy, SchedulePolicy, VirtualTokenCounter
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
+from engine.served import owner_label
 from tests.fake_model import fake_engine
 
 
