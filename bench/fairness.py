@@ -69,6 +69,7 @@ class Owner:
     ttft: list[tuple[float, float]] = field(default_factory=list)  # (sent at, TTFT)
     tokens: list[tuple[float, float]] = field(default_factory=list)  # (arrival, tokens)
     prompt_tokens: list[int] = field(default_factory=list)
+    unanswered: list[float] = field(default_factory=list)  # sent at, no token when dropped
     errors: int = 0
 
     def tokens_between(self, t0: float, t1: float) -> float:
@@ -110,6 +111,8 @@ async def one_request(http: httpx.AsyncClient, owner: Owner, prompt: str, new_to
         # a chunk may carry several tokens: spread the reply's count over its chunks
         per = reply.tokens / len(stamps) if stamps and reply.usage else 1.0
         owner.tokens += [(t, per) for t in stamps]
+        if not stamps:
+            owner.unanswered.append(t0)
 
 
 async def closed_loop(
@@ -173,7 +176,10 @@ def warm_up(server: Server) -> None:
 
 
 def light_ttfts(lights: list[Owner], t0: float, t1: float) -> list[float]:
-    return [ttft for o in lights for sent, ttft in o.ttft if t0 <= sent <= t1]
+    """TTFTs of requests sent in [t0, t1]; one still without a token when the phase ended
+    counts as its wait so far (a lower bound), so a starved user is not left out."""
+    done = [ttft for o in lights for sent, ttft in o.ttft if t0 <= sent <= t1]
+    return done + [t1 - sent for o in lights for sent in o.unanswered if t0 <= sent <= t1]
 
 
 def protection(server: Server, args: argparse.Namespace, policy: str) -> dict:
@@ -204,6 +210,7 @@ def protection(server: Server, args: argparse.Namespace, policy: str) -> dict:
         "light_ttft_mixed_p50_s": pct(mixed, 50),
         "light_ttft_mixed_p95_s": pct(mixed, 95),
         "light_requests_mixed": len(mixed),
+        "light_unanswered_mixed": sum(len(o.unanswered) for o in lights),
         "heavy_requests_started": len(heavy.ttft),
         "heavy_prompt_tokens": pct([float(x) for x in heavy.prompt_tokens], 50),
         "light_prompt_tokens": pct([float(x) for o in lights for x in o.prompt_tokens], 50),
