@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 WINDOW_S = 10.0  # tokens/s is measured over this trailing window
 SAMPLES = 2048  # latency samples kept for percentiles
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ADMISSION_WINDOW_S = 60.0  # the queue's wait estimate uses admissions over this window
+SERVED_TOP = 10  # users listed one by one in served tokens (the rest: "other")
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -76,6 +78,9 @@ class EngineStats:
     resident_dropped: int
     steps: int
     max_batch_seen: int
+    schedule: str = "fcfs"  # the admission policy (--schedule)
+    # (owner label, prompt tokens computed, tokens generated): the most served users, "other"
+    served: tuple[tuple[str, int, int], ...] = ()
     alive: bool = True  # False once the engine thread has died or was shut down
     failure: str | None = None  # why the engine thread died
 
@@ -102,6 +107,21 @@ class Metrics:
         self.rejected = 0
         self.steps = 0
         self.max_batch = 0
+        self.admissions: deque[float] = deque()
+
+    def record_admission(self, now: float) -> None:
+        with self.lock:
+            self.admissions.append(now)
+            while self.admissions[0] < now - ADMISSION_WINDOW_S:
+                self.admissions.popleft()
+
+    def admission_rate(self, now: float) -> float:
+        """Requests admitted per second over the recent window (0.0 without any)."""
+        with self.lock:
+            recent = [t for t in self.admissions if t >= now - ADMISSION_WINDOW_S]
+        if not recent:
+            return 0.0
+        return len(recent) / min(ADMISSION_WINDOW_S, max(now - recent[0], 1.0))
 
     def record_step(
         self, now: float, ms: float, batch: int, new_tokens: int, prompt_tokens: int
@@ -159,6 +179,8 @@ def engine_stats(engine: Engine) -> EngineStats:
             resident_dropped=engine.scheduler.num_resident_dropped,
             steps=m.steps,
             max_batch_seen=m.max_batch,
+            schedule=engine.scheduler.policy.name,
+            served=tuple(engine.scheduler.policy.served_top(SERVED_TOP)),
             alive=engine.alive,
             failure=engine.failure,
         )

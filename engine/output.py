@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,6 +65,7 @@ class OutputProcessor:
                 req.admitted = True
                 req.handle.num_cached_tokens = seq.num_computed
                 self.left_queue()
+                self.metrics.record_admission(time.monotonic())
 
     def process(self, plan: StepPlan, next_tokens: dict[Sequence, int], now: float) -> None:
         """Record what the step computed and hand each sampled token to its request."""

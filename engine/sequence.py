@@ -102,8 +102,9 @@ class Sequence:
 
     token_ids: list[int]
     params: SamplingParams
-    owner: str | None = None
+    owner: str | None = None  # whose resident KV this reuses (the session layer: a session id)
     retain: bool = False
+    user: str | None = None  # whose fair share this is charged to (an identity; else the owner)
     seq_id: int = field(default_factory=lambda: next(_ids))
     num_prompt_tokens: int = 0
     num_computed: int = 0

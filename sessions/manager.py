@@ -108,7 +108,7 @@ class SessionManager:
         and its reply budget up front, as nothing is kept to charge later."""
         params = self._limit(owner, params)
         ids = self.prompts.encode(clean_messages(messages, self.config.max_message_chars))
-        handle = self.engine.submit(ids, params)
+        handle = self.engine.submit(ids, params, user=owner)  # fair share per identity
         self.limiter.record(owner, len(ids) + params.max_new_tokens)
         return OneOffReply(handle, self.engine.queue_position)
 
@@ -255,7 +255,10 @@ class SessionManager:
             prompt,
             params,
             restore=functools.partial(self.residency.restore, sid, had_kv=prior > 0),
-            submit=functools.partial(self.engine.submit, owner=sid, retain=True),
+            # the KV belongs to the session; the fair share to the identity behind it
+            submit=functools.partial(
+                self.engine.submit, owner=sid, retain=True, user=session["owner"]
+            ),
             queue_position=self.engine.queue_position,
             on_end=functools.partial(self._end_turn, owner=session["owner"]),
             on_accept=on_accept,
