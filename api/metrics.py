@@ -37,6 +37,19 @@ def _histogram(name: str, doc: str, hist: Histogram) -> HistogramMetricFamily:
     )
 
 
+def _served(rows: tuple[tuple[str, int, int], ...]) -> CounterMetricFamily:
+    """Tokens computed per user: the most served ones by hashed label, the rest as 'other'."""
+    served = CounterMetricFamily(
+        "crowdchat_served_tokens",
+        "Tokens computed per user (top 10 by a hash of the identity, the rest as 'other')",
+        labels=["owner", "kind"],
+    )
+    for label, prompt, generated in rows:
+        served.add_metric([label, "prompt"], prompt)
+        served.add_metric([label, "generated"], generated)
+    return served
+
+
 class CrowdchatCollector(Collector):
     """Reads the engine's stats and histograms and the sessions' states on every scrape, so
     the numbers are never a second copy that could drift from the engine's own."""
@@ -89,6 +102,7 @@ class CrowdchatCollector(Collector):
             itl = _histogram("itl_seconds", "Time between generated tokens", m.itl_hist)
         yield ttft
         yield itl
+        yield _served(s.served)
         yield from self._sessions()
 
     def _sessions(self) -> Iterator[Metric]:

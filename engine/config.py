@@ -12,6 +12,7 @@ from engine.settings import Settings, setting
 QUANT_CHOICES = ("nf4", "int8", "none")
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+SCHEDULE_CHOICES = ("fair", "fcfs")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,12 @@ class EngineConfig(Settings):
         "size prefill chunks from measured step times so running users' inter-token "
         "latency stays under this",
     )
+    schedule: str = setting(
+        "fair",
+        "who is admitted and gets the prefill budget first: the user with the least served "
+        "work (fair: virtual token counter) or the oldest request (fcfs)",
+        choices=SCHEDULE_CHOICES,
+    )
     threads: int | None = setting(None, "torch intra-op threads on CPU (off: torch's default)")
     cpu_dense_above: int = setting(
         16,
@@ -83,6 +90,7 @@ class EngineConfig(Settings):
         need(self.max_queue >= 0, "--max-queue must be >= 0")
         need(self.max_num_batched_tokens >= 16, "--max-num-batched-tokens must be >= 16")
         need(self.target_itl_ms is None or self.target_itl_ms > 0, "--target-itl-ms must be > 0")
+        need(self.schedule in SCHEDULE_CHOICES, f"--schedule must be one of {SCHEDULE_CHOICES}")
         need(self.threads is None or self.threads >= 1, "--threads must be >= 1")
         need(self.cpu_dense_above >= 0, "--cpu-dense-above must be >= 0")
         object.__setattr__(self, "data_dir", Path(self.data_dir))

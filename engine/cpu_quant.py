@@ -5,9 +5,9 @@ every call, so a 4-bit model decodes several times slower than the same model un
 PyTorch core ships weight-only kernels that read the packed weights directly
 (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`; torchao wraps the same ops). On CPU
 `--quant nf4` therefore means 4-bit weights in groups of 32 along the input, each with a scale
-and a minimum (GGUF's Q4_1 format), and `--quant int8` means int8 weights with one scale per output channel. The
-output projection (tied to the embeddings in small models) is int8 in both modes: it is the
-largest matrix, and 8 bits keep the logits close.
+and a minimum (GGUF's Q4_1 format), and `--quant int8` means int8 weights with one scale per
+output channel. The output projection (tied to the embeddings in small models) is int8 in both
+modes: it is the largest matrix, and 8 bits keep the logits close.
 
 The kernels are fast with bfloat16 activations only (their float32 paths are scalar), so
 activations are cast to bfloat16 around the matmul and back. Where a step's rows are many

@@ -19,6 +19,7 @@ from engine.budget import TokenBudget
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import EngineStopped, ServerBusy
+from engine.fair_share import make_policy
 from engine.handle import RequestHandle
 from engine.kv_cache import KVCache, bytes_per_token, pool_blocks
 from engine.loader import LoadedModel, load_model
@@ -61,7 +62,9 @@ class Engine:
             lambda: KVCache(self.loaded, num_blocks, config.block_size)
         )
         self.pool = BlockPool(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.pool, config.max_num_seqs, policy=make_policy(config.schedule)
+        )
         self.runner = runner(self.loaded, self.cache)
         self.max_model_len = min(
             config.max_model_len or self.loaded.max_position, num_blocks * config.block_size
@@ -103,13 +106,15 @@ class Engine:
         retain: bool = False,
         cache_ns: str | None = None,
         shareable_prefix: int = 0,
+        user: str | None = None,
     ) -> RequestHandle:
         """Queue a request; stream its reply from the returned handle.
 
         `owner` names whose resident KV the prompt may reuse; with `retain` the KV stays
         resident for that owner after the reply ends. The prefix cache shares the blocks of
         its first `shareable_prefix` tokens with anyone, and the rest only within `cache_ns`
-        (None: the rest is neither looked up nor cached).
+        (None: the rest is neither looked up nor cached). `user` is whose fair share the work
+        is charged to under `--schedule fair` (default: the owner).
 
         Raises:
             InvalidRequest, PromptTooLong: the prompt or parameters can never be served.
@@ -122,6 +127,7 @@ class Engine:
             params,
             owner=owner,
             retain=retain and owner is not None,
+            user=user,
             cache_ns=cache_ns,
             shareable_prefix=max(0, min(int(shareable_prefix), len(ids))),
         )
@@ -169,12 +175,19 @@ class Engine:
         return engine_stats(self)
 
     def queue_position(self, handle: RequestHandle) -> int | None:
-        """How many requests wait ahead of this one (None once it runs or ended)."""
+        """How many waiting requests the scheduler would admit before this one under its
+        policy as it stands (None once it runs or ended)."""
         if handle.done:
             return None
         return self._queue_positions.get(
             handle.seq_id, None if handle.seq_id in self._running_ids else self._pending - 1
         )
+
+    def wait_estimate(self, ahead: int) -> float | None:
+        """Seconds until a request with `ahead` requests before it is admitted, at the rate
+        requests were admitted lately (None before any was)."""
+        rate = self.metrics.admission_rate(time.monotonic())
+        return (ahead + 1) / rate if rate else None
 
     def set_memory_pressure_hook(self, hook: Callable[[int, str | None], None] | None) -> None:
         """`hook(blocks_short, protected_owner)` runs on the engine thread when the pool is
@@ -335,5 +348,6 @@ class Engine:
     def _publish(self) -> None:
         sched = self.scheduler
         self.gauges = (len(sched.running), len(sched.resident), sched.resident.num_blocks)
-        self._queue_positions = {s.seq_id: i for i, s in enumerate(sched.waiting)}
+        order = sched.policy.admission_order(sched.waiting) if sched.waiting else []
+        self._queue_positions = {s.seq_id: i for i, s in enumerate(order)}
         self._running_ids = frozenset(s.seq_id for s in sched.running)

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 WINDOW_S = 10.0  # tokens/s is measured over this trailing window
 SAMPLES = 2048  # latency samples kept for percentiles
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ADMISSION_WINDOW_S = 60.0  # the queue's wait estimate uses admissions over this window
+SERVED_TOP = 10  # users listed one by one in served tokens (the rest: "other")
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -80,6 +82,9 @@ class EngineStats:
     blocks_shared: int = 0  # blocks held by two or more sequences or sessions
     prefix_cache_queries: int = 0  # prompt tokens admitted
     prefix_cache_hits: int = 0  # of them, tokens whose KV was already in the pool
+    schedule: str = "fcfs"  # the admission policy (--schedule)
+    # (owner label, prompt tokens computed, tokens generated): the most served users, "other"
+    served: tuple[tuple[str, int, int], ...] = ()
     alive: bool = True  # False once the engine thread has died or was shut down
     failure: str | None = None  # why the engine thread died
 
@@ -106,6 +111,21 @@ class Metrics:
         self.rejected = 0
         self.steps = 0
         self.max_batch = 0
+        self.admissions: deque[float] = deque()
+
+    def record_admission(self, now: float) -> None:
+        with self.lock:
+            self.admissions.append(now)
+            while self.admissions[0] < now - ADMISSION_WINDOW_S:
+                self.admissions.popleft()
+
+    def admission_rate(self, now: float) -> float:
+        """Requests admitted per second over the recent window (0.0 without any)."""
+        with self.lock:
+            recent = [t for t in self.admissions if t >= now - ADMISSION_WINDOW_S]
+        if not recent:
+            return 0.0
+        return len(recent) / min(ADMISSION_WINDOW_S, max(now - recent[0], 1.0))
 
     def record_step(
         self, now: float, ms: float, batch: int, new_tokens: int, prompt_tokens: int
@@ -167,6 +187,8 @@ def engine_stats(engine: Engine) -> EngineStats:
             blocks_shared=engine.pool.num_shared,
             prefix_cache_queries=engine.scheduler.prefix_queries,
             prefix_cache_hits=engine.scheduler.prefix_hits,
+            schedule=engine.scheduler.policy.name,
+            served=tuple(engine.scheduler.policy.served_top(SERVED_TOP)),
             alive=engine.alive,
             failure=engine.failure,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,6 +66,7 @@ class OutputProcessor:
                 req.handle.num_cached_tokens = seq.num_computed
                 req.handle.num_hit_tokens = seq.num_hit_tokens
                 self.left_queue()
+                self.metrics.record_admission(time.monotonic())
 
     def process(self, plan: StepPlan, next_tokens: dict[Sequence, int], now: float) -> None:
         """Record what the step computed and hand each sampled token to its request."""

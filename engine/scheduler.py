@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockPool
+from engine.fair_share import FcfsPolicy, SchedulePolicy
 from engine.resident import ResidentCache, ResidentKV, common_prefix
 from engine.sequence import Sequence, SequenceStatus
 
@@ -41,11 +42,14 @@ class StepPlan:
 class Scheduler:
     """Owns the `waiting` and `running` queues; idle owners' KV lives in `resident`.
 
-    Admission is first-come-first-served and only when a request's prompt blocks fit; a prompt
-    shares the cached blocks its chain hashes find (`block_pool`). When the pool is short it
-    first evicts cached blocks nobody holds, then calls the memory-pressure hook (the session
-    layer persists idle owners' KV there), then drops the least recently used resident KV,
-    then preempts the youngest running sequence.
+    Admission happens only when a request's prompt blocks fit; which waiting request goes
+    next, in what order the prefill budget is shared and whom to preempt is the `policy`'s
+    (`engine.fair_share`: FCFS and the youngest, or fair share by served work per user, which
+    may also swap one running sequence for a waiting user a whole slot below its fair share
+    of a full batch). When the pool is short it first evicts cached blocks nobody holds (a
+    prompt shares the cached blocks its chain hashes find, `block_pool`), then calls the
+    memory-pressure hook (the session layer persists idle owners' KV there), then drops the
+    least recently used resident KV, then preempts.
     """
 
     def __init__(
@@ -53,6 +57,7 @@ class Scheduler:
         pool: BlockPool,
         max_num_seqs: int,
         memory_pressure: Callable[[int, str | None], None] | None = None,
+        policy: SchedulePolicy | None = None,
     ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
@@ -63,6 +68,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens admitted (vLLM's prefix-cache "queries")
         self.prefix_hits = 0  # of them, tokens whose KV was already there (shared or own)
+        self.policy = policy or FcfsPolicy()
 
     @property
     def num_resident_dropped(self) -> int:
@@ -71,6 +77,7 @@ class Scheduler:
     # -- queues -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue a new request (the engine enforces the queue cap before it gets here)."""
+        self.policy.queued(seq)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -82,6 +89,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.policy.left(seq)
+        self.policy.finished(seq)
         seq.status = SequenceStatus.FINISHED
         if seq.retain and seq.owner is not None and seq.block_table and seq.num_computed:
             keep = self.pool.blocks_for(seq.num_computed)
@@ -123,6 +132,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.policy.queued(seq)
         self.waiting.appendleft(seq)
 
     def _grow_running(self, plan: StepPlan) -> None:
@@ -132,7 +142,7 @@ class Scheduler:
                 continue  # preempted while making room for an older one
             need = self.pool.blocks_for(seq.num_tokens) - len(seq.block_table)
             while need > 0 and not self.reclaim(need):
-                victim = self.running[-1]
+                victim = self.policy.victim(self.running)
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is seq:
@@ -172,7 +182,7 @@ class Scheduler:
         self.prefix_queries += n
         self.prefix_hits += computed
         seq.status = SequenceStatus.RUNNING
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         self.running.append(seq)
         return True
 
@@ -200,19 +210,28 @@ class Scheduler:
     def schedule(self, token_budget: int) -> StepPlan:
         """Plan one step under `token_budget` tokens (decodes always run)."""
         plan = StepPlan()
+        victim = self.policy.slot_victim(self.running, self.waiting, self.max_num_seqs)
+        if victim is not None:  # a user below its fair share of the slots takes one
+            self._preempt(victim)
+            plan.preempted.append(victim)
         self._grow_running(plan)
         for seq in self.running:
             if seq.num_uncomputed == 1:
                 plan.decodes.append(seq)
         budget = max(token_budget - len(plan.decodes), MIN_PREFILL_CHUNK)
-        for seq in self.running:
-            if seq.num_uncomputed > 1 and budget > 0:
-                budget = self._plan_tokens(plan, seq, budget)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._admit(seq):
+        admitting = len(self.running) < self.max_num_seqs
+        for seq in self.policy.prefill_order(self.running, self.waiting):
+            if budget <= 0:
                 break
+            if seq.status is SequenceStatus.WAITING:
+                if not admitting:
+                    continue
+                if len(self.running) >= self.max_num_seqs or not self._admit(seq):
+                    admitting = False  # the next in line waits: nobody overtakes on blocks
+                    continue
+                self.policy.admitted(seq)
             budget = self._plan_tokens(plan, seq, budget)
+        self.policy.charge(plan.decodes, plan.prefills)
         return plan
 
     def check_integrity(self) -> None:
@@ -230,3 +249,4 @@ class Scheduler:
             assert len(set(entry.block_table)) == len(entry.block_table)
         self.pool.check_integrity(holders)
         assert not any(s.block_table for s in self.waiting)
+        self.policy.check(self.waiting)

@@ -103,8 +103,9 @@ class Sequence:
 
     token_ids: list[int]
     params: SamplingParams
-    owner: str | None = None
+    owner: str | None = None  # whose resident KV this reuses (the session layer: a session id)
     retain: bool = False
+    user: str | None = None  # whose fair share this is charged to (an identity; else the owner)
     cache_ns: str | None = None  # whose prefix cache it reads and fills (its user)
     shareable_prefix: int = 0  # leading tokens any user may share (an operator's prompt)
     seq_id: int = field(default_factory=lambda: next(_ids))

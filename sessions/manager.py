@@ -115,7 +115,7 @@ class SessionManager:
         params = self._limit(owner, params)
         ids = self.prompts.encode(clean_messages(messages, self.config.max_message_chars))
         handle = self.engine.submit(
-            ids, params, cache_ns=owner, shareable_prefix=self.prompts.shareable(ids)
+            ids, params, user=owner, cache_ns=owner, shareable_prefix=self.prompts.shareable(ids)
         )
         self.limiter.record(owner, len(ids) + params.max_new_tokens)
         return OneOffReply(handle, self.engine.queue_position)
@@ -270,10 +270,12 @@ class SessionManager:
             prompt,
             params,
             restore=functools.partial(self.residency.restore, sid, had_kv=prior > 0),
+            # the KV belongs to the session; the fair share and the prefix cache to its user
             submit=functools.partial(
                 self.engine.submit,
                 owner=sid,
                 retain=True,
+                user=session["owner"],
                 cache_ns=session["owner"],
                 shareable_prefix=self.prompts.shareable(prompt),
             ),

@@ -21,6 +21,7 @@ from api.metrics import build_metrics_router
 from api.openai_api import build_router
 from engine import SamplingParams
 from engine.loader import LoadedModel
+from engine.served import owner_label
 from tests.conftest import close_sessions, make_sessions
 
 MODEL = "smollm2-135m-instruct"
@@ -319,3 +320,24 @@ def test_the_prefix_cache_shows_in_the_header_and_metrics_and_is_per_key(live: L
     ask("pc1")
     assert shared > 0 and ask("pc2") == ("cached", shared)  # another key: the template only
     assert ask("pc1") == ("cached", (len(ids) - 1) // bs * bs)  # its own: all full blocks
+
+
+def test_metrics_show_served_tokens_per_identity_by_hash(live: LiveServer) -> None:
+    key = "fair-share-key-7"
+    live.client(key).chat.completions.create(model=MODEL, messages=HI, max_tokens=5)
+    sid = httpx.post(
+        f"{live.url}/v1/sessions", headers={"authorization": f"Bearer {key}"}, json={}
+    ).json()["id"]
+    live.client(key).chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=5, extra_headers={"x-session-id": sid}
+    )
+    text = httpx.get(f"{live.url}/metrics", timeout=30).text
+    assert key not in text and owner(key) not in text  # neither the key nor its identity
+    served = {
+        (s.labels["owner"], s.labels["kind"]): s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "crowdchat_served_tokens"
+        for s in f.samples
+    }
+    label = owner_label(owner(key))  # one-off and session turns count for the same identity
+    assert served[(label, "generated")] >= 10 and served[(label, "prompt")] > 0

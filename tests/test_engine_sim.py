@@ -167,6 +167,7 @@ SCENARIOS = [  # (seed, requests, blocks, engine settings)
         {"max_num_batched_tokens": 512, "target_itl_ms": 5.0, "step_s_per_token": 2e-5},
     ),  # budgets sized by the ITL target
     (6, 400, 16, {"max_num_batched_tokens": 64, "max_queue": 8}),  # a full queue rejects
+    (7, 400, 12, {"max_num_batched_tokens": 16, "max_num_seqs": 4, "schedule": "fcfs"}),
 ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import sys
 import threading
 import time
@@ -43,10 +44,16 @@ def test_status_tells_the_user_where_they_are(nf4_model: LoadedModel, tmp_path: 
                 assert time.time() < deadline
                 time.sleep(0.05)
         want = ["Waiting for a free slot…", "Waiting: 1 ahead of you…"]
+
+        def shown() -> list[str]:  # the wait estimate aside (from the admission rate)
+            return [re.sub(r" \(about \d+ s\)", "", page.status(t)) for t in waiting]
+
         deadline = time.time() + 10  # the engine thread publishes positions after a step
-        while [page.status(t) for t in waiting] != want:
+        while shown() != want:
             assert time.time() < deadline, [page.status(t) for t in waiting]
             time.sleep(0.05)
+        # one admission so far (the first turn): a slot frees about once per elapsed second
+        assert re.fullmatch(r"Waiting: 1 ahead of you \(about \d+ s\)…", page.status(waiting[1]))
         assert page.status(first) == "Replying…"
         for t in (first, *waiting):
             t.cancel()

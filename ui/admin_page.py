@@ -54,7 +54,7 @@ def totals(monitor: Monitor, sessions: SessionManager, length: float) -> str:
     s = monitor.engine.stats()
     st = sessions.stats()
     lines = [
-        f"**Batch** {s.running} running · **queue** {s.waiting} · **tokens/s** "
+        f"**Batch** {s.running} running · **queue** {s.waiting} ({s.schedule}) · **tokens/s** "
         f"{s.tokens_per_s:.1f} · **TTFT p50** {fmt(s.ttft_p50_s)} · **ITL p50** "
         f"{fmt(s.itl_p50_s)} p95 {fmt(s.itl_p95_s)}",
         f"**KV pool** {s.blocks_used}/{s.blocks_total} blocks of {s.block_size} tokens "
@@ -120,6 +120,24 @@ def sessions_table(sessions: SessionManager) -> pd.DataFrame:
     )
 
 
+def served_table(monitor: Monitor) -> pd.DataFrame:
+    """Tokens computed per user, most served first (users as a hash of their identity)."""
+    rows = monitor.engine.stats().served
+    total = sum(p + g for _, p, g in rows) or 1
+    return pd.DataFrame(
+        [
+            {
+                "user": label,
+                "prompt tokens": p,
+                "generated tokens": g,
+                "share %": round(100 * (p + g) / total, 1),
+            }
+            for label, p, g in rows
+        ],
+        columns=["user", "prompt tokens", "generated tokens", "share %"],
+    )
+
+
 def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
     """The live admin page (refreshes every 1.5 s)."""
     plots = {
@@ -135,6 +153,7 @@ def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
             totals(monitor, sessions, length),
             *(series(monitor, cols) for cols in plots.values()),
             sessions_table(sessions),
+            served_table(monitor),
         )
 
     def act(action: str, prefix: str) -> str:
@@ -177,13 +196,18 @@ def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
                 for title in plots
             ]
         table = gr.Dataframe(label="Sessions", interactive=False, elem_id="sessions")
+        served = gr.Dataframe(
+            label="Served tokens per user (top 10, the rest as 'other')",
+            interactive=False,
+            elem_id="served",
+        )
         with gr.Row():
             target = gr.Textbox(label="Session id (or a unique prefix)", scale=3)
             persist_btn = gr.Button("Persist to disk now", size="sm")
             drop_btn = gr.Button("Drop KV", size="sm")
             delete_btn = gr.Button("Delete session", size="sm", variant="stop")
         result = gr.Markdown()
-        outputs = [mem, summary, *lines, table]
+        outputs = [mem, summary, *lines, table, served]
         timer = gr.Timer(REFRESH_S)
         timer.tick(refresh, [length], outputs, show_progress="hidden", concurrency_limit=None)
         demo.load(refresh, [length], outputs, concurrency_limit=None)

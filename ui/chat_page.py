@@ -272,7 +272,13 @@ class ChatPage:
             ahead = turn.queue_position()
             if ahead is None:
                 return "Starting…"
-            return f"Waiting: {ahead} ahead of you…" if ahead else "Waiting for a free slot…"
+            eta = self.sm.engine.wait_estimate(ahead)
+            about = f" (about {eta:.0f} s)" if eta is not None and eta >= 1 else ""
+            return (
+                f"Waiting: {ahead} ahead of you{about}…"
+                if ahead
+                else f"Waiting for a free slot{about}…"
+            )
         return "Replying…" if turn.status == "generating" else ""
 
 
