@@ -63,6 +63,7 @@ class OutputProcessor:
             if req is not None and not req.admitted:
                 req.admitted = True
                 req.handle.num_cached_tokens = seq.num_computed
+                req.handle.admitted = True
                 self.left_queue()
 
     def process(self, plan: StepPlan, next_tokens: dict[Sequence, int], now: float) -> None:

@@ -29,10 +29,11 @@ def running_server(
     loaded: LoadedModel,
     data_dir: Path,
     engine_overrides: dict | None = None,
+    session_overrides: dict | None = None,
     **app_overrides: object,
 ) -> Iterator[tuple[str, object, object]]:
     """Yields (base url, engine, session manager) of a live server; stops it afterwards."""
-    engine, sm = make_sessions(loaded, data_dir, engine_overrides)
+    engine, sm = make_sessions(loaded, data_dir, engine_overrides, **(session_overrides or {}))
     settings: dict[str, object] = {"admin_password": ADMIN_PASSWORD}
     settings.update(app_overrides)
     app, monitor = build_app(engine, sm, AppConfig(**settings), data_dir)  # type: ignore[arg-type]

@@ -129,7 +129,7 @@ def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
 
     def act(action: str, prefix: str) -> str:
         prefix = (prefix or "").strip()
-        matches = [f.id for f in sessions.facts() if prefix and f.id.startswith(prefix)]
+        matches = sessions.find_sessions(prefix)
         if len(matches) != 1:
             return f"No single session starts with {prefix!r}."
         sid = matches[0]
@@ -166,7 +166,9 @@ def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
                 )
                 for title in plots
             ]
-        table = gr.Dataframe(label="Sessions", interactive=False, elem_id="sessions")
+        table = gr.Dataframe(
+            label="Sessions (the most recently active 200)", interactive=False, elem_id="sessions"
+        )
         with gr.Row():
             target = gr.Textbox(label="Session id (or a unique prefix)", scale=3)
             persist_btn = gr.Button("Persist to disk now", size="sm")
