@@ -93,12 +93,8 @@ class Store:
     def recent_sessions(self, limit: int) -> list[dict]:
         """The `limit` most recently active sessions, most recent first (read in index order,
         whatever the number of sessions)."""
-        rows = (
-            self.sql.reader()
-            .table("sessions")
-            .rows_where(None, [], order_by="last_active desc, created desc", limit=limit)
-        )
-        return [_decoded(row) for row in rows]
+        sql = "SELECT * FROM sessions ORDER BY last_active DESC, created DESC LIMIT ?"
+        return [_decoded(row) for row in self.sql.reader().query(sql, [limit])]
 
     def sessions_starting(self, prefix: str, limit: int) -> list[str]:
         """Ids of up to `limit` sessions whose id starts with the hex `prefix`."""
