@@ -130,7 +130,7 @@ class SessionManager:
         self.get_session(owner, sid)
         text = clean_text(text, self.config.max_message_chars)
         params = self.admission.clamp(params)
-        with self._claimed(sid) as session, self._admitted(owner) as ticket:
+        with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
             history = self.store.messages(sid)
             convo = [*conversation(session, history), {"role": "user", "content": text}]
             prompt = self.prompts.encode_fitting(convo, params)
@@ -146,7 +146,7 @@ class SessionManager:
         (until then the old reply stays, also when the server turns the request away)."""
         self.get_session(owner, sid)
         params = self.admission.clamp(params)
-        with self._claimed(sid) as session, self._admitted(owner) as ticket:
+        with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
             history = self.store.messages(sid)
             old = history.pop() if history and history[-1]["role"] == "assistant" else None
             if not history or history[-1]["role"] != "user":
@@ -162,7 +162,7 @@ class SessionManager:
         self.get_session(owner, sid)
         text = clean_text(text, self.config.max_message_chars)
         params = self.admission.clamp(params)
-        with self._claimed(sid) as session, self._admitted(owner) as ticket:
+        with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
             history = self.store.messages(sid)
             replies = []
             while history and history[-1]["role"] == "assistant":
@@ -227,10 +227,6 @@ class SessionManager:
         self.store.close()
 
     # -- internals ----------------------------------------------------------------------
-    def _admitted(self, owner: str):  # noqa: ANN202 - a context manager of a Ticket
-        """A session turn's ticket (see `Admission.holding`); `_end_turn` ends it."""
-        return self.admission.holding(owner, turn=True)
-
     @contextmanager
     def _claimed(self, sid: str) -> Iterator[dict]:
         """Mark the session as answering for the block (SessionBusy if it already is) and

@@ -59,6 +59,8 @@ def totals(monitor: Monitor, sessions: SessionManager, length: float) -> str:
         f"(failed {st.persist_failures}) · **preemptions** {s.preemptions} · **rejections** "
         f"{s.requests_rejected} · **finished** {s.requests_finished} · **failed** "
         f"{s.requests_failed}",
+        "**Refused by per-user limits** "
+        + (" · ".join(f"{k} {v}" for k, v in sorted(st.refused_by.items()) if v) or "none"),
         f"**Capacity**: {monitor.fits(int(length))} conversations of {int(length)} tokens fit "
         f"in the pool at once.",
     ]
@@ -167,7 +169,9 @@ def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
                 for title in plots
             ]
         table = gr.Dataframe(
-            label="Sessions (the most recently active 200)", interactive=False, elem_id="sessions"
+            label="Sessions (the most recently active first; up to 200)",
+            interactive=False,
+            elem_id="sessions",
         )
         with gr.Row():
             target = gr.Textbox(label="Session id (or a unique prefix)", scale=3)
