@@ -7,100 +7,91 @@ import argparse
 import ctypes
 import logging
 import os
-import secrets
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from types import SimpleNamespace
 
 import gradio as gr
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
+from starlette.routing import Mount
 
 from api.metrics import build_metrics_router
 from api.openai_api import build_router
+from doors.browser_id import BrowserIds, secret_file
+from doors.config import AppConfig
+from doors.identity import Resolver, identity_of
+from doors.middleware import Doors
+from doors.throttle import LoginThrottle
 from engine import CrowdchatError, Engine, EngineConfig
-from engine.errors import InvalidRequest
-from engine.settings import Settings, setting
 from sessions import SessionConfig, SessionManager
+from sessions.api_keys import ApiKeys
 from ui.admin_page import build_admin_blocks
-from ui.auth import admin_checker, users_checker
+from ui.auth import UsersFile, admin_checker, users_checker
 from ui.chat_blocks import build_chat_blocks
 from ui.chat_page import ChatPage
+from ui.keys_page import KeysSection
 from ui.monitor import Monitor
+
+__all__ = ["AppConfig", "build_app", "main", "parse_args"]
 
 log = logging.getLogger("crowdchat")
 STATIC = Path(__file__).resolve().parent / "static"
 
 
-@dataclass(frozen=True)
-class AppConfig(Settings):
-    """How the server is reached and who may use which page."""
-
-    section: ClassVar[str] = "server"
-
-    host: str = setting("127.0.0.1", "address to listen on")
-    port: int = setting(7860, "port to listen on")
-    auth_file: Path | None = setting(
-        None,
-        "users file for sign-in with hashed passwords (python -m ui.auth FILE NAME adds "
-        "a user); off: every browser is its own anonymous user",
-        flag="--auth",
-    )
-    admin_password: str | None = setting(
-        None, "enables /admin (user 'admin'); off: /admin is disabled"
-    )
-
-    def __post_init__(self) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise InvalidRequest(f"invalid server setting: {msg}")
-
-        need(bool(self.host.strip()), "--host must not be empty")
-        need(1 <= self.port <= 65535, f"--port must be in 1..65535, not {self.port}")
-        if self.auth_file is not None:
-            object.__setattr__(self, "auth_file", Path(self.auth_file))
-            need(
-                self.auth_file.is_file(),
-                f"--auth users file not found: {self.auth_file} (python -m ui.auth "
-                f"{self.auth_file} NAME creates it)",
-            )
-        need(
-            self.admin_password is None or self.admin_password != "",
-            "--admin-password must not be empty (leave it out to disable /admin)",
-        )
-
-
 def browser_secret(data_dir: Path) -> str:
-    """The key that encrypts each browser's stored identity; kept so ids survive restarts."""
-    path = data_dir / "browser.secret"
-    if not path.is_file():
-        data_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(secrets.token_hex(32))
-        path.chmod(0o600)
-    return path.read_text().strip()
+    """The key of the old localStorage identity (gr.BrowserState ships it to every page, so
+    it protects nothing); kept only to read old ids once and move their conversations."""
+    return secret_file(data_dir / "browser.secret")
+
+
+def _gradio_app(app: FastAPI, path: str) -> object:
+    """The Gradio app that `gr.mount_gradio_app` mounted at `path` (holds its sign-ins)."""
+    return next(r.app for r in app.routes if isinstance(r, Mount) and r.path == path)
+
+
+def _admin_user(request: Request) -> str | None:
+    """/admin with --auth: the signed-in user if an admin (the Doors middleware found them)."""
+    identity = identity_of(request.scope)
+    return identity.name if identity is not None and identity.admin else None
 
 
 def build_app(
     engine: Engine, sessions: SessionManager, config: AppConfig, data_dir: Path
 ) -> tuple[FastAPI, Monitor]:
-    """One FastAPI server: API and metrics routes, /admin and the chat page at /."""
+    """One FastAPI server: API and metrics routes, /admin and the chat page at /, all behind
+    the Doors middleware (`app.state.doors`: its parts, for tests and operators)."""
     app = FastAPI(title="crowdchat", docs_url=None, redoc_url=None, openapi_url=None)
+    users = UsersFile(config.auth_file) if config.auth_file else None
+    keys = ApiKeys(sessions.store)
+    resolver = Resolver(users, keys, config.api_keys_file)
+    throttle = LoginThrottle(config.login_failures_per_name, config.login_failures_per_address)
+    browser_ids = BrowserIds(secret_file(data_dir / "cookie.key"), config.new_identities_per_minute)
     app.include_router(build_router(engine, sessions, engine.loaded.model_id))
     app.include_router(build_metrics_router(engine, sessions))
     monitor = Monitor(engine, sessions)
     css = [STATIC / "crowdchat.css"]
-    if config.admin_password:
+    admin_password = config.admin_secret()
+    admin_look = {"css_paths": css, "theme": "soft", "show_error": False}
+    if users is not None and admin_password:
+        log.warning("the admin password is ignored with --auth: /admin is for admin users")
+    if users is not None:  # admins are users with the admin role, signed in on the chat page
         app = gr.mount_gradio_app(
             app,
             build_admin_blocks(monitor, sessions),
             path="/admin",
-            auth=admin_checker(config.admin_password),
+            auth_dependency=_admin_user,
+            **admin_look,
+        )
+    elif admin_password:
+        app = gr.mount_gradio_app(
+            app,
+            build_admin_blocks(monitor, sessions),
+            path="/admin",
+            auth=throttle.guard(admin_checker(admin_password)),
             auth_message="crowdchat admin: user 'admin'",
-            css_paths=css,
-            theme="soft",
-            show_error=False,
+            **admin_look,
         )
     else:
 
@@ -108,14 +99,20 @@ def build_app(
         @app.get("/admin/{rest:path}")
         def admin_disabled(rest: str = "") -> PlainTextResponse:
             return PlainTextResponse(
-                "the admin page is disabled: start the server with --admin-password",
+                "the admin page is disabled: start the server with --admin-password "
+                "(or CROWDCHAT_ADMIN_PASSWORD, or --admin-password-file), or --auth",
                 status_code=404,
             )
 
     page = ChatPage(
-        sessions, auth_enabled=config.auth_file is not None, browser_secret=browser_secret(data_dir)
+        sessions,
+        auth_enabled=users is not None,
+        browser_ids=browser_ids,
+        browser_secret=browser_secret(data_dir),
+        move_sessions=sessions.store.reassign_owner,
     )
-    chat = build_chat_blocks(page, concurrency=engine.config.max_num_seqs)
+    section = KeysSection(keys, page) if users is not None else None
+    chat = build_chat_blocks(page, concurrency=engine.config.max_num_seqs, keys=section)
     chat.queue(
         default_concurrency_limit=engine.config.max_num_seqs,
         max_size=engine.config.max_queue + engine.config.max_num_seqs,
@@ -127,7 +124,12 @@ def build_app(
         css_paths=css,
         theme="soft",
         show_error=False,
-        auth=users_checker(config.auth_file) if config.auth_file else None,
+        auth=throttle.guard(users_checker(users)) if users is not None else None,
+    )
+    resolver.gradio = _gradio_app(app, "")
+    app.add_middleware(Doors, config=config, resolver=resolver, browser_ids=browser_ids)
+    app.state.doors = SimpleNamespace(
+        keys=keys, throttle=throttle, browser_ids=browser_ids, resolver=resolver
     )
     return app, monitor
 
@@ -179,7 +181,11 @@ def main(argv: list[str] | None = None) -> None:
         url = f"http://{app_config.host}:{app_config.port}"
         print(
             f"crowdchat: chat on {url}/"
-            + (f" · admin on {url}/admin" if app_config.admin_password else ""),
+            + (
+                f" · admin on {url}/admin"
+                if app_config.auth_file or app_config.admin_secret()
+                else ""
+            ),
             flush=True,
         )
         uvicorn.run(app, host=app_config.host, port=app_config.port, log_level="warning")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import secrets
@@ -16,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from api.chat_request import ChatRequest, parse_chat_request, parse_json_object, typed_field
 from api.errors import ApiError, error_body, error_response
 from api.streaming import DeltaStream
+from doors.identity import bearer, identity_of, token_owner
 from engine import Engine
 from sessions import Reply, SessionManager
 from sessions.relay import Delta, End, Event, Failed
@@ -26,12 +26,11 @@ CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, logs show
 
 
 def owner_of(request: Request) -> str:
-    """The caller's identity: a hash of its bearer token, or 'api:anonymous' without one."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
-        return "api:anonymous"
-    return "api:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    """The caller: the identity the Doors middleware found (an API key's user, a key of the
+    --api-keys file), else (the open API, or these routes without the middleware) a hash of
+    the bearer string, or 'api:anonymous' without one."""
+    identity = identity_of(request.scope)
+    return identity.owner if identity is not None else token_owner(bearer(request.headers))
 
 
 def _usage(reply: Reply) -> dict:

@@ -4,17 +4,17 @@ bitsandbytes has no fused CPU kernel on most CPUs: its CPU path dequantizes ever
 every call, so a 4-bit model decodes several times slower than the same model unquantized.
 PyTorch core ships weight-only kernels that read the packed weights directly
 (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`; torchao wraps the same ops). On CPU
-`--quant nf4` therefore means 4-bit weights in groups of 64 along the input, each with a scale
-and a minimum (GGUF's Q4_1 format with twice its group size; 32 where a matrix's inner size
-needs it), and `--quant int8` means int8 weights with one scale per output channel. The
-output projection (tied to the embeddings in small models) is int8 in both modes: it is the
-largest matrix, and 8 bits keep the logits close.
+`--quant nf4` therefore means 4-bit weights in groups of 32 along the input, each with a scale
+and a minimum (GGUF's Q4_1 format), and `--quant int8` means int8 weights with one scale per
+output channel. The output projection (tied to the embeddings in small models) is int8 in
+both modes: it is the largest matrix, and 8 bits keep the logits close.
 
 The kernels are fast with bfloat16 activations only (their float32 paths are scalar), so
 activations are cast to bfloat16 around the matmul and back. Where a step's rows are many
 (a prefill chunk, a crowd of decodes) a dense matmul of the *dequantized* weights is faster
 on CPUs without native bfloat16; a dense copy of the same quantized values is kept for that
-when the operator allows the memory (`--cpu-dense-rows`), so both paths compute the same model.
+when the operator allows the memory (`--cpu-dense-above`), so both paths compute the same model,
+rounded the same way (bf16 in and out).
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-GROUP_SIZE = 64  # 32 (GGUF's Q4_1 blocks) takes a slow path in the kernel: 3x on a 2-core EPYC
+# GGUF's Q4_1 block: a Q4_1 model requantizes without loss (greedy replies equal float32's on
+# the embedded model). 64 was tried for speed and broke the model ("1.1.1.1..." for "count
+# from 1 to 20"); the kernel's slow group-32 path at many rows is avoided by the dense copy.
+GROUP_SIZE = 32
 KERNEL_DTYPE = torch.bfloat16
 
 
@@ -38,7 +41,7 @@ class Int4Linear(nn.Module):
         super().__init__()
         n, k = weight.shape
         self.in_features, self.out_features = k, n
-        self.group_size = g = GROUP_SIZE if k % GROUP_SIZE == 0 else GROUP_SIZE // 2
+        self.group_size = g = GROUP_SIZE
         w = weight.detach().float().view(n, k // g, g)
         lo, hi = w.amin(-1), w.amax(-1)
         # the kernel takes its scale and zero (the value of q = 8) in bfloat16: round them
@@ -65,7 +68,7 @@ class Int4Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.dense is not None and x2.shape[0] > self.dense_rows:
-            return F.linear(x, self.dense)
+            return _like_kernel(x, self.dense)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_and_zeros
         )
@@ -94,9 +97,17 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.dense is not None and x2.shape[0] > self.dense_rows:
-            return F.linear(x, self.dense)
+            return _like_kernel(x, self.dense)
         y = torch.ops.aten._weight_int8pack_mm(x2.to(KERNEL_DTYPE), self.qweight, self.scales)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+
+def _like_kernel(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """The dense path rounded as the kernels round (bf16 in, bf16 out), so a sequence's
+    logits do not depend on whether its step had few rows (kernel) or many (dense)."""
+    if x.dtype == KERNEL_DTYPE:
+        return F.linear(x, dense)
+    return F.linear(x.to(KERNEL_DTYPE).to(x.dtype), dense).to(KERNEL_DTYPE).to(x.dtype)
 
 
 def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
@@ -126,7 +137,7 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
             k = child.in_features
             if lm_head:
                 setattr(parent, name, Int8Linear(child.weight, dense_rows))
-            elif make is Int4Linear and k % (GROUP_SIZE // 2):
+            elif make is Int4Linear and k % GROUP_SIZE:
                 continue  # a shape the int4 kernel cannot group: stays dense
             else:
                 setattr(parent, name, make(child.weight, dense_rows))

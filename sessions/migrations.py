@@ -49,6 +49,20 @@ def m003_snapshots(db: Database) -> None:
     )  # fmt: skip
 
 
+def m004_api_keys(db: Database) -> None:
+    # only the key's sha256 is kept: a key is shown once, when it is issued
+    db.table("api_keys").create(
+        {
+            "id": str, "owner": str, "name": str, "hash": str, "created": float,
+            "last_used": float, "revoked": float,
+        },
+        pk="id",
+        not_null=["owner", "name", "hash", "created"],
+    )  # fmt: skip
+    db.table("api_keys").create_index(["hash"], unique=True)
+    db.table("api_keys").create_index(["owner"])
+
+
 # Counters that triggers keep in step with every write, so /metrics and the admin page read
 # a few rows instead of scanning every session (in the same transaction: exact by
 # construction). Upserts in a trigger need SQLite 3.24.
@@ -81,7 +95,6 @@ _COUNTER_SQL = (
 
 
 def m005_counters(db: Database) -> None:
-    # numbered 005: 004 is the identity migration of the same issue (issue 11)
     for sql in _COUNTER_SQL:  # one statement each: executescript would commit mid-migration
         db.execute(sql)
 
@@ -90,6 +103,7 @@ MIGRATIONS: list[Callable[[Database], None]] = [
     m001_sessions,
     m002_messages,
     m003_snapshots,
+    m004_api_keys,
     m005_counters,
 ]
 

@@ -26,6 +26,13 @@ QUESTIONS = [
     "them, and say which one you would most like to visit and why.",
 ]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=64)
+# How far (in logit standard deviations) batch shape may move nf4 logits. Measured: 0.0 on a
+# 2-core EPYC without AVX512 (float32 compute); 0.23 on a 2-core Xeon with AMX-BF16 (bf16
+# compute: oneDNN blocks a bf16 GEMM by its row count, and a step of <= 16 rows takes the int4
+# kernel, more rows the dense copy); 0.74 for bitsandbytes' CUDA kernels on an H200. The
+# quantization itself moves them up to 3 deviations from float32, and a real batching bug (a
+# wrong mask or slot) by whole deviations: 0.5 tells those apart from rounding.
+NF4_TOLERANCE = 0.5
 
 
 def prompts(formatter: ChatFormatter) -> list[list[int]]:
@@ -88,11 +95,8 @@ def test_nf4_batched_logits_match_solo_within_tolerance(
     nf4_model: LoadedModel, formatter: ChatFormatter, tmp_path: Path
 ) -> None:
     """In bf16 the matmul's summation order may change with batch shape, so batched and solo
-    logits may differ by rounding. Tolerance: 10% of a logit standard deviation. Measured on
-    the 2-core CPU: batching moves them by 0.0 (bit-identical), while nf4/bf16 itself moves
-    them up to 3.1 standard deviations away from the float32 model: a 0.1 bound catches any
-    real batching bug (a wrong mask or slot moves logits by whole deviations) yet leaves room
-    for the rounding that other kernels (CUDA) may show."""
+    logits may differ by rounding; the top token must not. Bound: NF4_TOLERANCE logit standard
+    deviations (see its comment for what was measured where)."""
     ps = prompts(formatter)
     engine = make_engine(nf4_model, tmp_path)
     engine.shutdown()  # drive the runner directly on this thread
@@ -101,11 +105,11 @@ def test_nf4_batched_logits_match_solo_within_tolerance(
     solo = torch.cat([first_step_logits(engine, [s]) for s in mk()])
     assert torch.equal(batched.argmax(-1), solo.argmax(-1))
     spread = solo.std(dim=-1, keepdim=True)
-    assert ((batched - solo).abs() / spread).max() < 0.1  # < 10% of a logit std dev
+    assert ((batched - solo).abs() / spread).max() < NF4_TOLERANCE
     dec_batched = decode_logits(engine, mk())
     dec_solo = torch.cat([decode_logits(engine, [s]) for s in mk()])
     assert torch.equal(dec_batched.argmax(-1), dec_solo.argmax(-1))
-    assert ((dec_batched - dec_solo).abs() / spread).max() < 0.1
+    assert ((dec_batched - dec_solo).abs() / spread).max() < NF4_TOLERANCE
     engine.check_integrity()
 
 
@@ -209,5 +213,5 @@ def test_nf4_logits_on_reused_kv_match_a_cold_prefill_within_tolerance(
     finally:
         engine.pool.free(seq.block_table)
     assert torch.equal(reused.argmax(-1), whole.argmax(-1))
-    assert ((reused - whole).abs() / whole.std(dim=-1, keepdim=True)).max() < 0.1
+    assert ((reused - whole).abs() / whole.std(dim=-1, keepdim=True)).max() < NF4_TOLERANCE
     engine.check_integrity()

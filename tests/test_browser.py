@@ -12,6 +12,7 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from engine.loader import LoadedModel
 from tests.web import ADMIN_PASSWORD, running_server
+from ui.auth import hash_password
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -52,6 +53,10 @@ def test_chat_stream_stop_and_reload(browser: Browser, server: tuple) -> None:
     context = browser.new_context(viewport={"width": 1100, "height": 900})
     page = context.new_page()
     page.goto(url + "/")
+    # the identity is a signed HttpOnly cookie: the browser keeps it, page scripts cannot read it
+    cookie = {c["name"]: c for c in context.cookies()}["crowdchat_id"]
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Lax"
+    assert "crowdchat_id" not in page.evaluate("document.cookie")
     page.locator("#message textarea").fill("Write a long story about a brave little robot.")
     page.locator("#send").click()
     # the reply streams in: text appears and keeps growing
@@ -113,8 +118,8 @@ def session_titled(sm: object, title: str, replies: int, timeout: float = 300) -
 
 
 def loaded(page: Page) -> Page:
-    """Wait until the page's load handler has given this browser its identity (a Send
-    before that is refused with "Your browser identity is missing")."""
+    """Wait until the page's load handler has run (it overwrites the localStorage id of older
+    versions): a Send before it could be painted over by the load's empty page."""
     page.wait_for_function(
         "() => window.localStorage.getItem('crowdchat_user') !== null", timeout=60_000
     )
@@ -194,3 +199,24 @@ def test_a_reply_streams_only_into_the_conversation_on_screen(
     assert len(reply) > 10 and "Name one colour" not in page.locator("#chatbot").inner_text()
     expect(page.locator("#chatbot")).to_contain_text(reply.strip()[:30], timeout=10_000)
     context.close()
+
+
+def test_with_sign_in_the_page_signs_in_and_shows_the_api_keys_section(
+    browser: Browser, nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    users = tmp_path / "users.txt"
+    users.write_text(f"ann:{hash_password('s3cret-pass')}\n")
+    with running_server(nf4_model, tmp_path / "data", auth_file=users) as (url, _, _):
+        context = browser.new_context(viewport={"width": 1100, "height": 900})
+        page = context.new_page()
+        page.goto(url + "/")  # the sign-in form renders behind the Doors middleware
+        page.get_by_label("username").fill("ann")
+        page.get_by_label("password").fill("s3cret-pass")
+        page.get_by_role("button", name="Login").click()
+        expect(page.locator("#message textarea")).to_be_visible(timeout=30_000)
+        page.locator("#api-keys").get_by_role("button").first.click()
+        page.locator("#api-keys input").first.fill("from the browser")
+        page.locator("#create-key").click()
+        expect(page.locator("#new-key")).to_contain_text("cc-", timeout=20_000)
+        expect(page.locator("#keys")).to_contain_text("from the browser", timeout=20_000)
+        context.close()

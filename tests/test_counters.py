@@ -73,7 +73,7 @@ def test_the_counters_migration_counts_what_an_older_database_holds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "crowdchat.db"
-    older = [fn for fn in MIGRATIONS if fn.__name__ < "m004"]
+    older = [fn for fn in MIGRATIONS if fn.__name__ < "m005"]
     monkeypatch.setattr(migrations_module, "MIGRATIONS", older)
     with Store(path) as store:
         for i, state in enumerate(["cold", "persisted", "persisted", "resident"]):

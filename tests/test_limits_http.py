@@ -33,7 +33,10 @@ def server(
     nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, object]]:
     with running_server(
-        nf4_model, tmp_path_factory.mktemp("limits"), {"max_model_len": 1024}, CAPS
+        nf4_model,
+        tmp_path_factory.mktemp("limits"),
+        {"max_model_len": 1024},
+        session_overrides=CAPS,
     ) as (url, _engine, sm):
         yield url, sm
 

@@ -12,12 +12,19 @@ import gradio as gr
 import pytest
 from gradio_client import Client
 
+from doors.browser_id import COOKIE
 from engine import SamplingParams
 from engine.loader import LoadedModel
 from tests.conftest import close_sessions, make_sessions
 from tests.web import running_server
 from ui import auth
 from ui.chat_page import ChatPage, Screen
+
+
+def browser(page: ChatPage) -> tuple[str, gr.Request]:
+    """A new anonymous browser: its owner string and a request carrying its signed cookie."""
+    browser_id, value = page.browser_ids.mint("test")  # type: ignore[misc]
+    return f"browser:{browser_id}", gr.Request(cookies={COOKIE: value})
 
 
 def test_status_tells_the_user_where_they_are(nf4_model: LoadedModel, tmp_path: Path) -> None:
@@ -61,6 +68,7 @@ def test_users_file_hashes_and_checks_passwords(tmp_path: Path, monkeypatch) -> 
     assert check("ann", "s3cret-pass") and not check("ann", "wrong") and not check("bob", "x")
     admin = auth.admin_checker("pw")
     assert admin("admin", "pw") and not admin("admin", "pW") and not admin("root", "pw")
+    assert not admin("ädmin", "pw") and not admin("admin", "pwé")  # non-ASCII: no TypeError
     with pytest.raises(SystemExit):
         monkeypatch.setattr(sys, "stdin", io.StringIO("short\n"))
         auth.main([str(users), "bob"])
@@ -74,9 +82,9 @@ def test_signed_in_user_sees_their_conversations_from_any_browser(
     auth.main([str(users), "ann"])
     with running_server(nf4_model, tmp_path / "data", auth_file=users) as (url, _, sm):
         laptop = Client(url, auth=("ann", "s3cret-pass"), verbose=False)
-        laptop.predict("Remember the word banana.", "0" * 32, "", 0.0, 1.0, 16, api_name="/on_send")
+        laptop.predict("Remember the word banana.", "", 0.0, 1.0, 16, api_name="/on_send")
         phone = Client(url, auth=("ann", "s3cret-pass"), verbose=False)
-        _user, convos, history, _system = phone.predict("f" * 32, api_name="/on_load")
+        _legacy, convos, history, _system = phone.predict(None, api_name="/on_load")
         assert len(convos["choices"]) == 1
         assert "banana" in str(history)
         assert sm.list_sessions("user:ann")
@@ -90,29 +98,28 @@ def test_a_conversation_keeps_its_system_prompt_across_reload_switch_and_new_cha
     engine, sm = make_sessions(nf4_model, tmp_path)
     try:
         page = ChatPage(sm)
-        user = "a" * 32
-        owner = f"browser:{user}"
+        owner, me = browser(page)
 
         screen = Screen()
 
         def send(message: str, sid: str | None, system: str) -> str:
-            *_, last = page.on_send(message, user, sid, False, system, 0.0, 1.0, 8, screen, None)
+            *_, last = page.on_send(message, sid, False, system, 0.0, 1.0, 8, screen, me)
             return last[3]
 
         pirate = send("Hello there.", None, "You are a pirate.")
         # a reload: the box shows the conversation's own prompt, so the next Send keeps it
-        _user, _convos, sid, _history, system = page.on_load(user, Screen(), None)
+        _legacy, _convos, sid, _history, system = page.on_load(None, Screen(), me)
         assert (sid, system) == (pirate, "You are a pirate.")
         send("And again.", sid, system)
         assert sm.get_session(owner, pirate)["system_prompt"] == "You are a pirate."
         # "New chat" empties the box; the new conversation keeps its own (empty) prompt
         assert page.on_new(screen)[4] == ""
         plain = send("Hi.", None, "")
-        assert page.on_select(user, pirate, screen, None)[3] == "You are a pirate."
-        assert page.on_select(user, plain, screen, None)[3] == ""
+        assert page.on_select(pirate, screen, me)[3] == "You are a pirate."
+        assert page.on_select(plain, screen, me)[3] == ""
         assert sm.get_session(owner, plain)["system_prompt"] == ""
         assert sm.get_session(owner, pirate)["system_prompt"] == "You are a pirate."
-        assert page.on_delete(user, plain, screen, None)[3] == ""
+        assert page.on_delete(plain, screen, me)[3] == ""
     finally:
         close_sessions(engine, sm)
 
@@ -123,14 +130,12 @@ def test_a_reply_paints_only_while_its_conversation_is_on_screen(
     engine, sm = make_sessions(nf4_model, tmp_path)
     try:
         page = ChatPage(sm)
-        user = "b" * 32
-        owner = f"browser:{user}"
+        owner, me = browser(page)
         screen = Screen()
         other = sm.create_session(owner)["id"]
         sm.chat(owner, other, "Say hi.", SamplingParams(temperature=0, max_new_tokens=4)).result()
         stream = page.on_send(
             "Write a long story about a lighthouse keeper.",
-            user,
             None,
             False,
             "",
@@ -138,17 +143,17 @@ def test_a_reply_paints_only_while_its_conversation_is_on_screen(
             1.0,
             200,
             screen,
-            None,
+            me,
         )
         first = next(stream)
         sid = first[3]
         assert first[0][0]["content"].startswith("Write a long story")
         # the user opens the other conversation while the reply runs: nothing paints over it
-        assert page.on_select(user, other, screen, None)[0] == other
+        assert page.on_select(other, screen, me)[0] == other
         away = [next(stream) for _ in range(3)]
         assert all(out == (gr.skip(),) * 6 for out in away), away
         # back again: the reply so far, then the rest, paint again, into this conversation
-        page.on_select(user, sid, screen, None)
+        page.on_select(sid, screen, me)
         back = list(stream)
         assert back and all(out[3] == sid for out in back)
         final = back[-1][0]

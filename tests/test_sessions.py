@@ -118,7 +118,7 @@ def test_bad_snapshots_fall_back_to_recompute(
 
 
 def test_five_users_share_a_pool_for_two_lru_first(nf4_model: LoadedModel, tmp_path: Path) -> None:
-    blocks = 12  # two or three of these conversations fit (4-7 blocks each), never five
+    blocks = 12  # a few of these conversations fit (3-7 blocks each), never five
     engine, sm = make_sessions(
         nf4_model,
         tmp_path,
@@ -134,7 +134,8 @@ def test_five_users_share_a_pool_for_two_lru_first(nf4_model: LoadedModel, tmp_p
                 if rnd == 1:
                     assert turn.restored_from in ("host", "disk")
             resident = list(engine.resident_kv())  # least recently used first
-            assert 1 <= len(resident) <= 3  # the pool holds a few, never all five
+            # the pool holds a few, never all five (how many depends on the replies' lengths)
+            assert 1 <= len(resident) < len(users)
             assert resident == [sids[u] for u in users[-len(resident) :]]  # the newest stay
         for u in users:
             assert len(sm.messages(u, sids[u])) == 4

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,13 @@ def server(nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> 
         yield running
 
 
+def owner_of(client: Client) -> str:
+    """The owner string of a gradio_client's anonymous identity (the cookie /config set)."""
+    browser_id = client.cookies["crowdchat_id"].partition(".")[0]
+    assert len(browser_id) == 32
+    return f"browser:{browser_id}"
+
+
 def reply_text(chatbot: list[dict]) -> list[tuple[str, str]]:
     out = []
     for m in chatbot:
@@ -34,13 +40,13 @@ def reply_text(chatbot: list[dict]) -> list[tuple[str, str]]:
 def test_three_clients_chat_at_once_and_see_only_their_own(server: tuple) -> None:
     url, engine, sm = server
     results: dict[int, list[tuple[str, str]]] = {}
-    users = [secrets.token_hex(16) for _ in range(3)]
+    users: dict[int, str] = {}
 
     def chat(i: int) -> None:
         client = Client(url, verbose=False)
+        users[i] = owner_of(client)
         out = client.predict(
             f"Tell me a long story about the number {i}.",
-            users[i],
             "",
             0.0,
             1.0,
@@ -49,7 +55,7 @@ def test_three_clients_chat_at_once_and_see_only_their_own(server: tuple) -> Non
         )
         results[i] = reply_text(out[0])
         follow = client.predict(
-            "Thanks! One more sentence please.", users[i], "", 0.0, 1.0, 16, api_name="/on_send"
+            "Thanks! One more sentence please.", "", 0.0, 1.0, 16, api_name="/on_send"
         )
         results[i] = reply_text(follow[0])
 
@@ -63,20 +69,18 @@ def test_three_clients_chat_at_once_and_see_only_their_own(server: tuple) -> Non
         assert [r for r, _ in history] == ["user", "assistant", "user", "assistant"]
         assert history[0][1] == f"Tell me a long story about the number {i}."
         assert all(text for _, text in history)
-        sessions = sm.list_sessions(f"browser:{users[i]}")
-        assert (
-            len(sessions) == 1 and len(sm.messages(f"browser:{users[i]}", sessions[0]["id"])) == 4
-        )
+        sessions = sm.list_sessions(users[i])
+        assert len(sessions) == 1 and len(sm.messages(users[i], sessions[0]["id"])) == 4
     assert engine.stats().max_batch_seen > 1  # they really shared forward passes
 
 
 def test_bad_input_shows_a_message_and_keeps_the_text(server: tuple) -> None:
     url, _, _ = server
     client = Client(url, verbose=False)
-    out = client.predict("   ", secrets.token_hex(16), "", 0.7, 0.9, 64, api_name="/on_send")
+    out = client.predict("   ", "", 0.7, 0.9, 64, api_name="/on_send")
     assert "type a message" in out[1].lower() or "empty" in out[1].lower()
     big = "x" * 40_000
-    out = client.predict(big, secrets.token_hex(16), "", 0.7, 0.9, 64, api_name="/on_send")
+    out = client.predict(big, "", 0.7, 0.9, 64, api_name="/on_send")
     assert "limit" in out[1]
 
 
@@ -127,7 +131,6 @@ def test_a_client_that_goes_away_frees_its_slot(server: tuple) -> None:
     client = Client(url, verbose=False)
     job = client.submit(
         "Write an endless story about the sea.",
-        secrets.token_hex(16),
         "",
         0.0,
         1.0,

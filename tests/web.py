@@ -29,14 +29,23 @@ def running_server(
     loaded: LoadedModel,
     data_dir: Path,
     engine_overrides: dict | None = None,
+    apps: list | None = None,
     session_overrides: dict | None = None,
     **app_overrides: object,
 ) -> Iterator[tuple[str, object, object]]:
-    """Yields (base url, engine, session manager) of a live server; stops it afterwards."""
+    """Yields (base url, engine, session manager) of a live server; stops it afterwards.
+    `apps`: gets the FastAPI app appended (its `state.doors` has the throttle, the keys...).
+    `session_overrides`: SessionConfig fields (limits, caps).
+    The new-identities cap is raised: the suites open many clients from one address."""
     engine, sm = make_sessions(loaded, data_dir, engine_overrides, **(session_overrides or {}))
-    settings: dict[str, object] = {"admin_password": ADMIN_PASSWORD}
+    settings: dict[str, object] = {
+        "admin_password": ADMIN_PASSWORD,
+        "new_identities_per_minute": 10_000,
+    }
     settings.update(app_overrides)
     app, monitor = build_app(engine, sm, AppConfig(**settings), data_dir)  # type: ignore[arg-type]
+    if apps is not None:
+        apps.append(app)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -1,18 +1,40 @@
-"""Credentials: the users file (hashed passwords) and the admin password, checked in constant
-time. `python -m ui.auth USERS_FILE NAME` adds or changes a user (password read from stdin)."""
+"""Credentials: the users file (hashed passwords, an optional role) and the admin password,
+checked in constant time.
+
+    python -m ui.auth USERS_FILE NAME [--admin]    add or change a user (password on stdin)
+    python -m ui.auth keys DATA_DIR create NAME [LABEL] | list [NAME] | revoke KEY_ID
+"""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import hmac
+import os
 import secrets
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import InvalidRequest
 
 ITERATIONS = 200_000
+ROLES = ("user", "admin")
+
+
+@dataclass(frozen=True)
+class User:
+    """One line of the users file: `name:hash` or `name:hash:role`."""
+
+    name: str
+    hash: str
+    role: str = "user"
+
+    @property
+    def admin(self) -> bool:
+        return self.role == "admin"
 
 
 def hash_password(password: str, salt: str | None = None) -> str:
@@ -33,57 +55,136 @@ def verify_password(password: str, stored: str) -> bool:
     return hmac.compare_digest(got.hex(), want)
 
 
-def load_users(path: Path) -> dict[str, str]:
-    """`name:hash` lines (blank lines and # comments ignored)."""
+def same_text(a: str, b: str) -> bool:
+    """Constant-time equality of any two strings (compare_digest refuses non-ASCII str)."""
+    return hmac.compare_digest(
+        hashlib.sha256(a.encode()).digest(), hashlib.sha256(b.encode()).digest()
+    )
+
+
+def load_users(path: Path) -> dict[str, User]:
+    """`name:hash[:role]` lines (blank lines and # comments ignored); UTF-8."""
     if not path.is_file():
         raise InvalidRequest(f"users file not found: {path}")
     users = {}
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
-            name, _, stored = line.partition(":")
-            users[name.strip()] = stored.strip()
+            name, _, rest = line.partition(":")
+            stored, _, role = rest.partition(":")
+            role = role.strip() or "user"
+            if role not in ROLES:
+                raise InvalidRequest(f"{path}: user {name.strip()!r} has unknown role {role!r}")
+            users[name.strip()] = User(name.strip(), stored.strip(), role)
     return users
 
 
-def users_checker(path: Path) -> Callable[[str, str], bool]:
-    """A Gradio `auth` function over the users file (re-read on each login)."""
-    load_users(path)  # fail at start, not at the first login
+class UsersFile:
+    """The users file, read again whenever it changes on disk (so a removed user or a new
+    role counts at once, without a restart)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self._users: dict[str, User] = {}
+        self.get("")  # fail at start, not at the first login
+
+    def get(self, name: str) -> User | None:
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            raise InvalidRequest(f"users file not found: {self.path}") from e
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp != self._stamp:
+            self._users, self._stamp = load_users(self.path), stamp
+        return self._users.get(name)
+
+
+def users_checker(users: UsersFile | Path) -> Callable[[str, str], bool]:
+    """A Gradio `auth` function over the users file."""
+    users = users if isinstance(users, UsersFile) else UsersFile(users)
 
     def check(username: str, password: str) -> bool:
-        stored = load_users(path).get(username)
-        if stored is None:
+        user = users.get(username)
+        if user is None:
             verify_password(password, hash_password("x"))  # same time for unknown names
             return False
-        return verify_password(password, stored)
+        return verify_password(password, user.hash)
 
     return check
 
 
 def admin_checker(admin_password: str) -> Callable[[str, str], bool]:
     """The admin login: user `admin`, the configured password, compared in constant time."""
-    want = hashlib.sha256(admin_password.encode()).digest()
 
     def check(username: str, password: str) -> bool:
-        got = hashlib.sha256(password.encode()).digest()
-        return hmac.compare_digest(got, want) & hmac.compare_digest(username, "admin")
+        return same_text(password, admin_password) & same_text(username, "admin")
 
     return check
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) != 2:
-        sys.exit("usage: python -m ui.auth USERS_FILE NAME  (password on stdin)")
-    path, name = Path(argv[0]), argv[1]
-    if not name or ":" in name:
-        sys.exit("the user name must be non-empty and contain no ':'")
-    password = sys.stdin.readline().rstrip("\n")
+def add_user(path: Path, name: str, password: str, role: str) -> None:
+    if not name or ":" in name or name != name.strip():
+        sys.exit("the user name must be non-empty, contain no ':' and no outer spaces")
     if len(password) < 8:
         sys.exit("the password must have at least 8 characters")
     users = load_users(path) if path.is_file() else {}
-    users[name] = hash_password(password)
-    path.write_text("".join(f"{n}:{h}\n" for n, h in users.items()))
-    print(f"user {name} saved in {path}")
+    users[name] = User(name, hash_password(password), role)
+    lines = [f"{u.name}:{u.hash}" + (f":{u.role}" if u.admin else "") for u in users.values()]
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    print(f"user {name} saved in {path}" + (" (admin)" if role == "admin" else ""))
+
+
+def keys_main(argv: list[str]) -> None:
+    """`keys DATA_DIR create NAME [LABEL] | list [NAME] | revoke KEY_ID`."""
+    from sessions.api_keys import ApiKeys
+    from sessions.store import Store
+
+    ap = argparse.ArgumentParser(prog="python -m ui.auth keys")
+    ap.add_argument("data_dir", type=Path)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    create = sub.add_parser("create", help="issue a key for user NAME (printed once)")
+    create.add_argument("user")
+    create.add_argument("label", nargs="?", default="cli")
+    listing = sub.add_parser("list", help="keys (of user NAME), with their last use")
+    listing.add_argument("user", nargs="?")
+    revoke = sub.add_parser("revoke", help="revoke the key KEY_ID")
+    revoke.add_argument("key_id")
+    args = ap.parse_args(argv)
+    with Store(args.data_dir / "crowdchat.db") as store:
+        keys = ApiKeys(store)
+        if args.cmd == "create":
+            row, key = keys.issue(f"user:{args.user}", args.label)
+            print(f"key {row['id']} for {args.user} ({args.label}); shown once:\n{key}")
+        elif args.cmd == "list":
+            for row in keys.list(f"user:{args.user}" if args.user else None):
+                used = row["last_used"] and time.strftime("%F %T", time.gmtime(row["last_used"]))
+                state = "revoked" if row["revoked"] else "active"
+                fields = (
+                    row["id"],
+                    row["owner"],
+                    row["name"],
+                    state,
+                    f"last used {used or 'never'}",
+                )
+                print("\t".join(fields))
+        elif not keys.revoke(None, args.key_id):
+            sys.exit(f"no active key {args.key_id}")
+        else:
+            print(f"key {args.key_id} revoked")
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["keys"]:
+        keys_main(argv[1:])
+        return
+    ap = argparse.ArgumentParser(prog="python -m ui.auth", description="add or change a user")
+    ap.add_argument("users_file", type=Path)
+    ap.add_argument("name")
+    ap.add_argument("--admin", action="store_true", help="may open /admin and read /metrics")
+    args = ap.parse_args(argv)
+    password = sys.stdin.readline().rstrip("\n")
+    add_user(args.users_file, args.name, password, "admin" if args.admin else "user")
 
 
 if __name__ == "__main__":

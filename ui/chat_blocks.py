@@ -5,13 +5,18 @@ from __future__ import annotations
 import gradio as gr
 
 from ui.chat_page import ChatPage, Screen
+from ui.keys_page import KeysSection, build_keys_section
 
 
-def build_chat_blocks(page: ChatPage, concurrency: int) -> gr.Blocks:
+def build_chat_blocks(
+    page: ChatPage, concurrency: int, keys: KeysSection | None = None
+) -> gr.Blocks:
     """The chat page. `concurrency`: how many users may generate at once (the engine's
-    batch size), instead of Gradio's default of one event at a time."""
+    batch size), instead of Gradio's default of one event at a time. `keys`: the API keys
+    section for signed-in users."""
     with gr.Blocks(title="crowdchat") as demo:
-        user = gr.BrowserState(None, storage_key="crowdchat_user", secret=page.browser_secret)
+        # read once on load to move an older version's conversations to the cookie identity
+        legacy = gr.BrowserState(None, storage_key="crowdchat_user", secret=page.browser_secret)
         sid = gr.State(None)
         editing = gr.State(False)
         screen = gr.State(Screen())  # a copy per tab: which conversation it shows
@@ -62,9 +67,11 @@ def build_chat_blocks(page: ChatPage, concurrency: int) -> gr.Blocks:
                     max_tokens = gr.Slider(
                         16, 2048, value=512, step=16, label="Max new tokens", elem_id="max-tokens"
                     )
+                if keys is not None:
+                    build_keys_section(keys, demo)
 
         turn_outputs = [chatbot, status, box, sid, convos, editing]
-        send_inputs = [box, user, sid, editing, system, temperature, top_p, max_tokens, screen]
+        send_inputs = [box, sid, editing, system, temperature, top_p, max_tokens, screen]
         # "multiple": a reply still running in a conversation the user left must not block
         # Send in the one they opened (a second Send in a busy one is refused by the session)
         for trigger in (box.submit, send_btn.click):
@@ -79,39 +86,35 @@ def build_chat_blocks(page: ChatPage, concurrency: int) -> gr.Blocks:
             )
         regen_btn.click(
             page.on_regenerate,
-            [user, sid, temperature, top_p, max_tokens, screen],
+            [sid, temperature, top_p, max_tokens, screen],
             turn_outputs,
             concurrency_limit=concurrency,
             concurrency_id="turns",
             show_progress="hidden",
             trigger_mode="multiple",
         )
-        stop_btn.click(
-            page.on_stop, [user, sid], None, concurrency_limit=None, show_progress="hidden"
-        )
-        edit_btn.click(page.on_edit, [user, sid], [box, editing, status], concurrency_limit=None)
+        stop_btn.click(page.on_stop, [sid], None, concurrency_limit=None, show_progress="hidden")
+        edit_btn.click(page.on_edit, [sid], [box, editing, status], concurrency_limit=None)
         new_btn.click(
             page.on_new, [screen], [sid, chatbot, status, convos, system], concurrency_limit=None
         )
         convos.input(
             page.on_select,
-            [user, convos, screen],
+            [convos, screen],
             [sid, chatbot, status, system],
             concurrency_limit=None,
         )
-        rename_btn.click(
-            page.on_rename, [user, sid, title], [convos, title], concurrency_limit=None
-        )
+        rename_btn.click(page.on_rename, [sid, title], [convos, title], concurrency_limit=None)
         delete_btn.click(
             page.on_delete,
-            [user, sid, screen],
+            [sid, screen],
             [sid, chatbot, convos, system],
             concurrency_limit=None,
         )
         demo.load(
             page.on_load,
-            [user, screen],
-            [user, convos, sid, chatbot, system],
+            [legacy, screen],
+            [legacy, convos, sid, chatbot, system],
             concurrency_limit=None,
         )
     return demo

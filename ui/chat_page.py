@@ -1,16 +1,20 @@
 """The chat page: one independent, persistent conversation list per browser (or signed-in user),
-streamed replies, Stop / Regenerate / Edit, and a status line that says what is happening."""
+streamed replies, Stop / Regenerate / Edit, and a status line that says what is happening.
+
+Who is who: a signed-in user by Gradio's login; an anonymous browser by the signed, HttpOnly
+`crowdchat_id` cookie that the Doors middleware minted (read here from `gr.Request`)."""
 
 from __future__ import annotations
 
 import logging
 import re
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import gradio as gr
 
+from doors.browser_id import COOKIE, BrowserIds
 from engine import CrowdchatError, SamplingParams
 from sessions import ChatTurn, SessionManager
 from sessions.relay import Delta, End, Failed, RelayThread
@@ -18,6 +22,7 @@ from sessions.relay import Delta, End, Failed, RelayThread
 log = logging.getLogger(__name__)
 USER_ID = re.compile(r"^[0-9a-f]{32}$")
 POLL_S = 0.4
+LEGACY_DONE = "moved"  # what replaces an old localStorage id once it has been read
 
 
 def to_chatbot(messages: list[dict]) -> list[dict]:
@@ -40,39 +45,55 @@ class ChatPage:
         self,
         sessions: SessionManager,
         auth_enabled: bool = False,
+        browser_ids: BrowserIds | None = None,
         browser_secret: str | None = None,
+        move_sessions: Callable[[str, str], int] | None = None,
     ) -> None:
         self.sm = sessions
         self.auth_enabled = auth_enabled
+        # (old owner, new owner) -> how many moved: one UPDATE on the store's writer
+        self.move_sessions = move_sessions
+        self.browser_ids = browser_ids or BrowserIds(secrets.token_hex(32), per_minute=1000)
+        # the key of the old localStorage identity (gr.BrowserState), read once to migrate
         self.browser_secret = browser_secret or secrets.token_hex(16)
 
     # -- identity and lists -------------------------------------------------------------
-    def owner(self, user: str | None, request: gr.Request | None) -> str:
-        if self.auth_enabled and request is not None and request.username:
-            return f"user:{request.username}"
-        if not user or not USER_ID.match(user):
-            raise gr.Error("Your browser identity is missing; reload the page.")
-        return f"browser:{user}"
+    def owner(self, request: gr.Request | None) -> str:
+        if self.auth_enabled:
+            if request is not None and request.username:
+                return f"user:{request.username}"
+            raise gr.Error("You are not signed in; reload the page and sign in.")
+        cookies = getattr(request, "cookies", None) if request is not None else None
+        browser_id = self.browser_ids.verify(cookies.get(COOKIE) if cookies else None)
+        if browser_id is None:
+            raise gr.Error("Your browser identity is missing; reload the page (with cookies on).")
+        return f"browser:{browser_id}"
 
     def choices(self, owner: str) -> list[tuple[str, str]]:
         return [(s["title"] or "New chat", s["id"]) for s in self.sm.list_sessions(owner)]
 
-    def on_load(self, user: str | None, screen: Screen, request: gr.Request):  # noqa: ANN201
-        """First visit: mint a random 128-bit id kept in the browser. Return: the latest
-        conversation, if any, and start restoring its KV in the background."""
-        if not user or not USER_ID.match(user):
-            user = secrets.token_hex(16)
-        owner = self.owner(user, request)
+    def on_load(self, legacy: str | None, screen: Screen, request: gr.Request):  # noqa: ANN201
+        """Return the latest conversation, if any, and start restoring its KV in the
+        background. `legacy`: the id an older crowdchat kept in localStorage; its
+        conversations move to this browser's cookie identity once, then it is cleared."""
+        owner = self.owner(request)
+        if legacy and USER_ID.match(legacy) and self.move_sessions and not self.auth_enabled:
+            old = f"browser:{legacy}"
+            if old != owner and self.sm.list_sessions(old):  # owners are checked per call
+                moved = self.move_sessions(old, owner)
+                log.info("moved %d conversations from a localStorage id to a cookie id", moved)
         choices = self.choices(owner)
         sid = choices[0][1] if choices else None
         screen.sid = sid
         history, system = self.opened(owner, sid) if sid else ([], "")
-        return user, gr.update(choices=choices, value=sid), sid, history, system
+        # overwrite the old id (BrowserState does not store a falsy value, so None or "" would
+        # leave it in localStorage); a browser test also waits for this write
+        return LEGACY_DONE, gr.update(choices=choices, value=sid), sid, history, system
 
-    def on_select(self, user: str, sid: str | None, screen: Screen, request: gr.Request):  # noqa: ANN201
+    def on_select(self, sid: str | None, screen: Screen, request: gr.Request):  # noqa: ANN201
         """Outputs: sid, chatbot, status, system prompt box. A reply still streaming in the
         conversation comes back on screen at its next delta (see _stream)."""
-        owner = self.owner(user, request)
+        owner = self.owner(request)
         screen.sid = None
         if not sid:
             return None, [], "", ""
@@ -97,8 +118,8 @@ class ChatPage:
         self.sm.prefetch(owner, sid)
         return history, system
 
-    def on_rename(self, user: str, sid: str | None, title: str, request: gr.Request):  # noqa: ANN201
-        owner = self.owner(user, request)
+    def on_rename(self, sid: str | None, title: str, request: gr.Request):  # noqa: ANN201
+        owner = self.owner(request)
         if sid and title.strip():
             try:
                 self.sm.rename_session(owner, sid, title.strip())
@@ -106,8 +127,8 @@ class ChatPage:
                 raise gr.Error(str(e)) from e
         return gr.update(choices=self.choices(owner), value=sid), ""
 
-    def on_delete(self, user: str, sid: str | None, screen: Screen, request: gr.Request):  # noqa: ANN201
-        owner = self.owner(user, request)
+    def on_delete(self, sid: str | None, screen: Screen, request: gr.Request):  # noqa: ANN201
+        owner = self.owner(request)
         screen.sid = None
         if sid:
             try:
@@ -116,18 +137,18 @@ class ChatPage:
                 raise gr.Error(str(e)) from e
         return None, [], gr.update(choices=self.choices(owner), value=None), ""
 
-    def on_stop(self, user: str, sid: str | None, request: gr.Request) -> None:
+    def on_stop(self, sid: str | None, request: gr.Request) -> None:
         if sid:
             try:
-                self.sm.stop(self.owner(user, request), sid)
+                self.sm.stop(self.owner(request), sid)
             except CrowdchatError:
                 pass
 
-    def on_edit(self, user: str, sid: str | None, request: gr.Request):  # noqa: ANN201
+    def on_edit(self, sid: str | None, request: gr.Request):  # noqa: ANN201
         """Put the last user message back in the box; the next send replaces it."""
         if not sid:
             return gr.update(), False, ""
-        msgs = [m for m in self.sm.messages(self.owner(user, request), sid) if m["role"] == "user"]
+        msgs = [m for m in self.sm.messages(self.owner(request), sid) if m["role"] == "user"]
         if not msgs:
             return gr.update(), False, ""
         return msgs[-1]["content"], True, "Editing your last message: change it and press Send."
@@ -141,7 +162,6 @@ class ChatPage:
     def on_send(
         self,
         message: str,
-        user: str,
         sid: str | None,
         editing: bool,
         system_prompt: str,
@@ -152,7 +172,7 @@ class ChatPage:
         request: gr.Request,
     ) -> Iterator[tuple]:
         """Outputs: chatbot, status, textbox, sid, conversation list, editing."""
-        owner = self.owner(user, request)
+        owner = self.owner(request)
         try:
             params = self.params(temperature, top_p, max_tokens)
             if not sid:
@@ -173,7 +193,6 @@ class ChatPage:
 
     def on_regenerate(
         self,
-        user: str,
         sid: str | None,
         temperature: float,
         top_p: float,
@@ -181,7 +200,7 @@ class ChatPage:
         screen: Screen,
         request: gr.Request,
     ) -> Iterator[tuple]:
-        owner = self.owner(user, request)
+        owner = self.owner(request)
         if not sid:
             yield [], "", gr.update(), sid, gr.update(), False
             return

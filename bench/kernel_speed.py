@@ -1,0 +1,135 @@
+"""Which weight kernel is fastest here? One engine decode step, timed per kernel and row count.
+
+Loads the embedded model once per mode (`--quant nf4` on PyTorch's int4 kernel with the dense
+copy above 16 rows, the same packed-only, bitsandbytes nf4, and `--quant none`), then times a
+decode step of 1, 8 and 32 sequences (contexts ~100 tokens) and a 500-token prefill, in
+interleaved rounds so that a noisy machine slows every mode alike. One JSON line per mode,
+then a summary with each mode's step times over bitsandbytes' and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import Engine, EngineConfig, SamplingParams, cpu_quant  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from engine.scheduler import StepPlan  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
+
+MODES = {
+    "torch_int4_dense_above_16": {"quant": "nf4", "cpu_dense_above": 16},
+    "torch_int4_packed_only": {"quant": "nf4", "cpu_dense_above": 0},
+    "bitsandbytes_nf4": {"quant": "nf4", "bnb": True},
+    "dense": {"quant": "none"},
+}
+ROWS = (1, 8, 32)
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def load(mode: dict, data_dir: Path) -> Engine:
+    settings = {k: v for k, v in mode.items() if k != "bnb"}
+    config = EngineConfig(data_dir=data_dir, kv_budget_mb=256, **settings)  # type: ignore[arg-type]
+    available = cpu_quant.available
+    if mode.get("bnb"):
+        cpu_quant.available = lambda: False  # the loader then takes bitsandbytes
+    try:
+        loaded = load_model(config)
+    finally:
+        cpu_quant.available = available
+    engine = Engine(config, loaded)
+    engine.shutdown()  # drive the runner on this thread
+    return engine
+
+
+def decode_step_s(engine: Engine, rows: int, ctx: int, repeats: int) -> float:
+    """Median seconds of one decode step of `rows` sequences with `ctx` tokens of context."""
+    gen = torch.Generator().manual_seed(rows)
+    seqs = []
+    for _ in range(rows):
+        ids = torch.randint(100, 20000, (ctx,), generator=gen).tolist()
+        s = Sequence(ids, SamplingParams(temperature=0, max_new_tokens=8))
+        s.block_table = engine.pool.allocate(engine.pool.blocks_for(ctx + repeats + 1))
+        engine.runner.forward(StepPlan(prefills=[(s, ctx)]))
+        s.num_computed = ctx
+        s.token_ids.append(28)
+        seqs.append(s)
+    times = []
+    try:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            engine.runner.forward(StepPlan(decodes=seqs))
+            times.append(time.perf_counter() - t)
+    finally:
+        for s in seqs:
+            engine.pool.free(s.block_table)
+    return statistics.median(times)
+
+
+def prefill_s(engine: Engine, tokens: int) -> float:
+    ids = torch.randint(100, 20000, (tokens,), generator=torch.Generator().manual_seed(7)).tolist()
+    s = Sequence(ids, SamplingParams(temperature=0, max_new_tokens=1))
+    s.block_table = engine.pool.allocate(engine.pool.blocks_for(tokens))
+    try:
+        t = time.perf_counter()
+        engine.runner.forward(StepPlan(prefills=[(s, tokens)]))
+        return time.perf_counter() - t
+    finally:
+        engine.pool.free(s.block_table)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="decode steps timed per point")
+    ap.add_argument("--modes", default=",".join(MODES))
+    args = ap.parse_args()
+    names = args.modes.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        engines = {n: load(MODES[n], Path(tmp)) for n in names}
+        dtype = str(next(iter(engines.values())).loaded.dtype).removeprefix("torch.")
+        samples: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+        for _ in range(args.rounds):
+            for n, engine in engines.items():
+                with torch.inference_mode():
+                    for r in ROWS:
+                        t = decode_step_s(engine, r, 100, args.repeats)
+                        samples[n].setdefault(f"decode_{r}_ms", []).append(t * 1e3)
+                    samples[n].setdefault("prefill_500_ms", []).append(prefill_s(engine, 500) * 1e3)
+    result = {}
+    for n in names:
+        row = {k: round(statistics.median(v), 1) for k, v in samples[n].items()}
+        for r in ROWS:
+            row[f"decode_{r}_tokens_per_s"] = round(r * 1e3 / row[f"decode_{r}_ms"], 1)
+        result[n] = row
+        print(json.dumps({"mode": n, **row}), flush=True)
+    base = result.get("bitsandbytes_nf4")
+    summary: dict[str, object] = {
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, compute {dtype}"
+    }
+    if base:
+        for n in names:
+            for r in ROWS:
+                key = f"decode_{r}_ms"
+                summary[f"{n}_decode_{r}_vs_bnb"] = round(base[key] / result[n][key], 2)
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

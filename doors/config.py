@@ -1,0 +1,93 @@
+"""The server's config: where it listens and who may use which door."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from engine.errors import InvalidRequest
+from engine.settings import Settings, setting
+
+
+@dataclass(frozen=True)
+class AppConfig(Settings):
+    """How the server is reached and who may use which page."""
+
+    section: ClassVar[str] = "server"
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(7860, "port to listen on")
+    auth_file: Path | None = setting(
+        None,
+        "users file for sign-in with hashed passwords (python -m ui.auth FILE NAME [--admin] "
+        "adds a user); off: every browser is its own anonymous user",
+        flag="--auth",
+    )
+    admin_password: str | None = setting(
+        None,
+        "anonymous mode: enables /admin (user 'admin'); prefer the environment variable or "
+        "--admin-password-file (a flag shows in ps)",
+    )
+    admin_password_file: Path | None = setting(
+        None, "file whose first line is the admin password (instead of --admin-password)"
+    )
+    metrics_token: str | None = setting(
+        None, "bearer token that may read /metrics (besides an admin's API key with --auth)"
+    )
+    api_keys_file: Path | None = setting(
+        None,
+        "file of API keys (one per line, or name:key); /v1 then requires one of them; off "
+        "without --auth: /v1 is open",
+        flag="--api-keys",
+    )
+    max_body_bytes: int = setting(1 << 20, "largest accepted request body; beyond: HTTP 413")
+    new_identities_per_minute: int = setting(
+        20, "new anonymous browser identities per client address per minute; beyond: HTTP 429"
+    )
+    login_failures_per_name: int = setting(
+        5, "failed sign-ins per user name per minute before sign-in is refused for a while"
+    )
+    login_failures_per_address: int = setting(
+        20, "failed sign-ins per client address per minute before sign-in is refused"
+    )
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise InvalidRequest(f"invalid server setting: {msg}")
+
+        need(bool(self.host.strip()), "--host must not be empty")
+        need(1 <= self.port <= 65535, f"--port must be in 1..65535, not {self.port}")
+        for name, what in (
+            ("auth_file", "--auth users file"),
+            ("admin_password_file", "--admin-password-file"),
+            ("api_keys_file", "--api-keys file"),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, Path(value))
+                hint = (
+                    f" (python -m ui.auth {value} NAME creates it)" if name == "auth_file" else ""
+                )
+                need(Path(value).is_file(), f"{what} not found: {value}{hint}")
+        need(
+            self.admin_password is None or self.admin_password != "",
+            "--admin-password must not be empty (leave it out to disable /admin)",
+        )
+        need(self.metrics_token is None or len(self.metrics_token) >= 16,
+             "--metrics-token must have at least 16 characters")  # fmt: skip
+        need(self.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024")
+        for name in ("new_identities_per_minute", "login_failures_per_name",
+                     "login_failures_per_address"):  # fmt: skip
+            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+
+    def admin_secret(self) -> str | None:
+        """The admin password from the flag, the environment or the file (its first line)."""
+        if self.admin_password_file is not None:
+            lines = self.admin_password_file.read_text(encoding="utf-8").splitlines()
+            password = lines[0].strip() if lines else ""
+            if not password:
+                raise InvalidRequest(f"--admin-password-file {self.admin_password_file} is empty")
+            return password
+        return self.admin_password

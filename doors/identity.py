@@ -1,0 +1,106 @@
+"""Who a request comes from: a signed-in user (Gradio's login cookie), an API key (issued
+per user, or from the --api-keys file), an anonymous browser (signed cookie), or, in the open
+anonymous API, the hash of whatever bearer string was sent (as before)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import InvalidRequest
+from sessions.api_keys import ApiKeys
+from ui.auth import UsersFile
+
+STATE_KEY = "crowdchat_identity"  # where the Doors middleware leaves it in the ASGI scope
+
+
+@dataclass(frozen=True)
+class Identity:
+    """The caller. `owner` is what sessions are keyed by: `user:NAME`, `api:...`, `browser:ID`."""
+
+    owner: str
+    via: str  # "sign-in", "api key", "cookie", "bearer"
+    name: str | None = None
+    admin: bool = False
+
+
+def identity_of(scope: dict) -> Identity | None:
+    """The caller the Doors middleware found for this request (None where none is needed)."""
+    return scope.get("state", {}).get(STATE_KEY)
+
+
+def bearer(headers: dict[str, str]) -> str | None:
+    """The token of an `Authorization: Bearer TOKEN` header, if any."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def token_owner(token: str | None) -> str:
+    """The open API's owner (no --auth, no --api-keys): a hash of the bearer string."""
+    if not token:
+        return "api:anonymous"
+    return "api:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+def load_key_file(path: Path) -> dict[str, str]:
+    """sha256(key) -> owner for a `--api-keys` file: `key` or `name:key` lines (# comments)."""
+    keys = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, key = line.rpartition(":")
+        key = key.strip()
+        if len(key) < 16:
+            raise InvalidRequest(f"{path}: an API key must have at least 16 characters")
+        owner = f"api:{name.strip()}" if sep and name.strip() else token_owner(key)
+        keys[hashlib.sha256(key.encode()).hexdigest()] = owner
+    if not keys:
+        raise InvalidRequest(f"--api-keys file {path} holds no key")
+    return keys
+
+
+class Resolver:
+    """Turns credentials into an Identity. `gradio` (the chat page's Gradio app, set once it
+    is mounted) holds the sign-in tokens that Gradio's /login handed out."""
+
+    def __init__(
+        self, users: UsersFile | None, api_keys: ApiKeys, key_file: Path | None = None
+    ) -> None:
+        self.users = users
+        self.api_keys = api_keys
+        self.file_keys = load_key_file(key_file) if key_file else {}
+        self.gradio: object | None = None
+
+    def signed_in(self, cookies: dict[str, str]) -> Identity | None:
+        """The user behind Gradio's login cookie, if they are still in the users file."""
+        if self.users is None or self.gradio is None:
+            return None
+        cookie_id = self.gradio.cookie_id  # type: ignore[attr-defined]
+        token = cookies.get(f"access-token-{cookie_id}") or cookies.get(
+            f"access-token-unsecure-{cookie_id}"
+        )
+        name = self.gradio.tokens.get(token) if token else None  # type: ignore[attr-defined]
+        user = self.users.get(name) if name else None
+        if user is None:
+            return None
+        return Identity(f"user:{user.name}", "sign-in", user.name, user.admin)
+
+    def by_key(self, token: str | None) -> Identity | None:
+        """The identity of an API key (blocking: a SQLite read, now and then a write)."""
+        if not token:
+            return None
+        owner = self.file_keys.get(hashlib.sha256(token.encode()).hexdigest())
+        if owner is not None:
+            return Identity(owner, "api key")
+        if self.users is None:  # per-user keys exist only with sign-in
+            return None
+        owner = self.api_keys.verify(token)
+        if owner is None or not owner.startswith("user:"):
+            return None
+        user = self.users.get(owner.removeprefix("user:"))
+        if user is None:  # removed from the users file: their keys stop working
+            return None
+        return Identity(owner, "api key", user.name, user.admin)

@@ -1,0 +1,335 @@
+"""Every door checks the same identity, over HTTP against the real server: with sign-in the
+API, /metrics and /admin refuse without credentials; per-user API keys; the anonymous cookie;
+the new-identity cap; the body cap; sign-in throttling."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from gradio_client import Client
+
+from engine.loader import LoadedModel
+from tests.web import running_server
+from ui import auth
+
+PASSWORD = "s3cret-pass"
+METRICS_TOKEN = "metrics-token-0123456789"
+HI = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+def add_user(users: Path, name: str, *flags: str) -> None:
+    old = sys.stdin
+    sys.stdin = io.StringIO(PASSWORD + "\n")
+    try:
+        auth.main([str(users), name, *flags])
+    finally:
+        sys.stdin = old
+
+
+def cli_key(data_dir: Path, *args: str, capsys: pytest.CaptureFixture) -> str:
+    """Run `python -m ui.auth keys DATA_DIR ...` in-process; its last output line."""
+    capsys.readouterr()
+    auth.main(["keys", str(data_dir), *args])
+    return capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@contextmanager
+def signed_in(url: str, name: str, password: str = PASSWORD) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=url, timeout=60) as http:
+        r = http.post("/login", data={"username": name, "password": password})
+        assert r.status_code == 200, r.text
+        yield http
+
+
+@pytest.fixture(scope="module")
+def users_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    users = tmp_path_factory.mktemp("users") / "users.txt"
+    add_user(users, "ann")
+    add_user(users, "bob")
+    add_user(users, "root", "--admin")
+    add_user(users, "jösé")
+    return users
+
+
+@pytest.fixture(scope="module")
+def signin(
+    nf4_model: LoadedModel, users_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, object, Path]]:
+    data = tmp_path_factory.mktemp("doors")
+    with running_server(
+        nf4_model, data, auth_file=users_file, admin_password=None, metrics_token=METRICS_TOKEN
+    ) as (url, _engine, sm):
+        yield url, sm, data
+
+
+def test_with_sign_in_every_door_refuses_without_credentials(signin: tuple) -> None:
+    url, _, _ = signin
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for method, path in (
+            ("GET", "/v1/models"),
+            ("POST", "/v1/chat/completions"),
+            ("POST", "/v1/sessions"),
+        ):
+            r = http.request(method, path, json=HI)
+            assert r.status_code == 401, (path, r.status_code)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        bad = http.get("/v1/models", headers=bearer("cc-" + "x" * 43))
+        assert bad.status_code == 401 and "invalid" in bad.json()["error"]["message"].lower()
+        assert http.get("/metrics").status_code == 401
+        assert http.get("/metrics", headers=bearer("wrong-token-0123456789")).status_code == 401
+        assert http.get("/admin/").status_code == 401
+        assert http.get("/admin/config").status_code == 401
+        assert http.post("/gradio_api/queue/join", json={}).status_code == 401
+        assert http.get("/gradio_api/upload_progress").status_code == 401
+        assert http.get("/health").status_code == 200
+        assert http.get("/").status_code == 200  # the sign-in form renders
+
+
+def test_a_users_key_opens_the_api_until_it_is_revoked(
+    signin: tuple, capsys: pytest.CaptureFixture
+) -> None:
+    url, sm, data = signin
+    key = cli_key(data, "create", "ann", "laptop", capsys=capsys)
+    assert key.startswith("cc-") and len(key) == 46
+    with httpx.Client(base_url=url, timeout=120) as http:
+        assert http.get("/v1/models", headers=bearer(key)).status_code == 200
+        r = http.post("/v1/chat/completions", json=HI, headers=bearer(key))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        listed = cli_key(data, "list", "ann", capsys=capsys)
+        key_id = listed.split("\t")[0]
+        assert "user:ann" in listed and "active" in listed and "never" not in listed
+        assert key not in listed and hashlib.sha256(key.encode()).hexdigest() not in listed
+        assert cli_key(data, "revoke", key_id, capsys=capsys) == f"key {key_id} revoked"
+        r = http.get("/v1/models", headers=bearer(key))
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    # only the hash is stored
+    row = sm.store.sql.reader().execute("select hash from api_keys where id = ?", [key_id])
+    assert row.fetchone()[0] == hashlib.sha256(key.encode()).hexdigest()
+
+
+def test_a_second_users_key_cannot_reach_the_first_users_sessions(
+    signin: tuple, capsys: pytest.CaptureFixture
+) -> None:
+    url, sm, data = signin
+    ann = cli_key(data, "create", "ann", capsys=capsys)
+    bob = cli_key(data, "create", "bob", capsys=capsys)
+    with httpx.Client(base_url=url, timeout=120) as http:
+        sid = http.post("/v1/sessions", json={"title": "ann's"}, headers=bearer(ann)).json()["id"]
+        assert [s["id"] for s in sm.list_sessions("user:ann")].count(sid) == 1  # the page's too
+        turn = {**HI, "messages": HI["messages"]}
+        r = http.post(
+            "/v1/chat/completions", json=turn, headers={**bearer(bob), "X-Session-Id": sid}
+        )
+        assert r.status_code == 404
+        r = http.post(
+            "/v1/chat/completions", json=turn, headers={**bearer(ann), "X-Session-Id": sid}
+        )
+        assert r.status_code == 200
+    assert len(sm.messages("user:ann", sid)) == 2
+
+
+def test_metrics_needs_an_admins_key_or_the_metrics_token(
+    signin: tuple, capsys: pytest.CaptureFixture
+) -> None:
+    url, _, data = signin
+    ann = cli_key(data, "create", "ann", capsys=capsys)
+    root = cli_key(data, "create", "root", capsys=capsys)
+    with httpx.Client(base_url=url, timeout=60) as http:
+        assert http.get("/metrics", headers=bearer(ann)).status_code == 403
+        assert http.get("/metrics", headers=bearer(root)).status_code == 200
+        r = http.get("/metrics", headers=bearer(METRICS_TOKEN))
+        assert r.status_code == 200 and "crowdchat_engine_up" in r.text
+
+
+def test_admin_needs_the_admin_role_and_non_ascii_names_sign_in(signin: tuple) -> None:
+    url, _, _ = signin
+    with signed_in(url, "ann") as http:
+        assert http.get("/gradio_api/info").status_code == 200  # the chat page is hers
+        r = http.get("/admin/config")
+        assert r.status_code == 403 and "not an admin" in r.text
+    with signed_in(url, "root") as http:
+        assert http.get("/admin/config").status_code == 200
+        assert http.get("/admin/gradio_api/info").status_code == 200
+    with httpx.Client(base_url=url, timeout=60) as http:
+        bad = http.post("/login", data={"username": "jösé", "password": "wrong-password"})
+        assert bad.status_code == 400  # refused, not a TypeError (500)
+    with signed_in(url, "jösé") as http:
+        assert http.get("/admin/config").status_code == 403
+
+
+def test_the_chat_page_section_issues_lists_and_revokes_keys(signin: tuple) -> None:
+    url, _, _ = signin
+    client = Client(url, auth=("bob", PASSWORD), verbose=False)
+    shown, table, _name = client.predict("script", api_name="/on_create")
+    key = next(word for word in shown.split() if word.startswith("cc-"))
+    key_id = table["data"][0][0]
+    assert table["data"][0][1] == "script" and table["data"][0][4] == "active"
+    assert httpx.get(url + "/v1/models", headers=bearer(key)).status_code == 200
+    note, table, _ = client.predict(key_id, api_name="/on_revoke")
+    assert "revoked" in note and table["data"][0][4] == "revoked"
+    assert httpx.get(url + "/v1/models", headers=bearer(key)).status_code == 401
+
+
+def test_sign_in_is_throttled_per_name_and_address_before_pbkdf2_runs(
+    nf4_model: LoadedModel, users_file: Path, tmp_path: Path
+) -> None:
+    apps: list = []
+    with running_server(
+        nf4_model,
+        tmp_path,
+        apps=apps,
+        auth_file=users_file,
+        admin_password=None,
+        login_failures_per_name=3,
+        login_failures_per_address=5,
+    ) as (url, _, _):
+        throttle = apps[0].state.doors.throttle
+        with httpx.Client(base_url=url, timeout=60) as http:
+
+            def login(name: str, password: str = "wrong-password") -> httpx.Response:
+                return http.post("/login", data={"username": name, "password": password})
+
+            assert [login("ann").status_code for _ in range(3)] == [400] * 3
+            hashes = throttle.hashes_run
+            refused = login("ann", PASSWORD)  # even the right password waits now
+            assert refused.status_code == 429 and "wait a minute" in refused.json()["detail"]
+            assert throttle.hashes_run == hashes  # refused before any PBKDF2 ran
+            assert login("bob", PASSWORD).status_code == 200  # another name still signs in
+            assert [login(n).status_code for n in ("bob", "root")] == [400, 400]
+            hashes = throttle.hashes_run
+            assert login("jösé").status_code == 429  # 5 failures from this address
+            assert throttle.hashes_run == hashes
+        assert httpx.get(url + "/health").status_code == 200
+
+
+def test_admin_password_login_is_throttled_too(nf4_model: LoadedModel, tmp_path: Path) -> None:
+    with running_server(nf4_model, tmp_path, login_failures_per_name=2) as (url, _, _):
+        with httpx.Client(base_url=url, timeout=60) as http:
+            codes = [
+                http.post("/admin/login", data={"username": "admin", "password": "no"}).status_code
+                for _ in range(3)
+            ]
+            assert codes == [400, 400, 429]
+
+
+# -- anonymous mode -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def anonymous(
+    nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, object, Path]]:
+    data = tmp_path_factory.mktemp("anonymous")
+    with running_server(nf4_model, data, max_body_bytes=4096) as (url, _engine, sm):
+        yield url, sm, data
+
+
+def test_the_anonymous_identity_is_a_signed_httponly_samesite_cookie(anonymous: tuple) -> None:
+    url, _, data = anonymous
+    r = httpx.get(url + "/")
+    header = r.headers["set-cookie"]
+    assert "HttpOnly" in header and "SameSite=Lax" in header and "Path=/" in header
+    value = r.cookies["crowdchat_id"]
+    browser_id, _, mac = value.partition(".")
+    key = (data / "cookie.key").read_text().strip().encode()
+    want = hmac.new(key, b"crowdchat_id:" + browser_id.encode(), hashlib.sha256).hexdigest()
+    assert len(browser_id) == 32 and mac == want
+    assert (data / "cookie.key").stat().st_mode & 0o077 == 0
+    again = httpx.get(url + "/", cookies={"crowdchat_id": value})
+    assert "set-cookie" not in again.headers  # a valid cookie is kept
+
+
+def test_a_forged_or_altered_cookie_is_a_new_identity(anonymous: tuple) -> None:
+    url, sm, _ = anonymous
+    alice = Client(url, verbose=False)
+    alice.predict("Hello, I am Alice.", "", 0.0, 1.0, 16, api_name="/on_send")
+    value = alice.cookies["crowdchat_id"]
+    alice_id, _, mac = value.partition(".")
+    assert len(sm.list_sessions(f"browser:{alice_id}")) == 1
+    forged = [
+        f"{alice_id}.{'0' * 64}",  # her id, a made-up signature
+        f"{alice_id}.{mac[:-1]}{'0' if mac[-1] != '0' else '1'}",  # one character changed
+        alice_id,  # no signature at all
+    ]
+    for cookie in forged:
+        r = httpx.get(url + "/config", cookies={"crowdchat_id": cookie})
+        assert r.status_code == 200
+        assert r.cookies["crowdchat_id"].partition(".")[0] != alice_id
+        mallory = Client(url, verbose=False, httpx_kwargs={"cookies": {"crowdchat_id": cookie}})
+        _legacy, convos, history, _system = mallory.predict(None, api_name="/on_load")
+        assert convos["choices"] == [] and history == []
+
+
+def test_new_identities_per_address_are_capped(nf4_model: LoadedModel, tmp_path: Path) -> None:
+    with running_server(nf4_model, tmp_path, new_identities_per_minute=3) as (url, _, _):
+        first = httpx.get(url + "/")
+        codes = [first.status_code] + [httpx.get(url + "/").status_code for _ in range(2)]
+        assert codes == [200, 200, 200]
+        r = httpx.get(url + "/")
+        assert r.status_code == 429 and "too many new visitors" in r.text.lower()
+        assert "set-cookie" not in r.headers
+        # the ones who have an identity keep being served
+        again = httpx.get(url + "/config", cookies={"crowdchat_id": first.cookies["crowdchat_id"]})
+        assert again.status_code == 200
+        assert httpx.get(url + "/v1/models").status_code == 200
+
+
+def test_a_localstorage_identity_moves_its_conversations_to_the_cookie_once(
+    anonymous: tuple,
+) -> None:
+    url, sm, _ = anonymous
+    legacy = "ab" * 16
+    old = sm.create_session(f"browser:{legacy}", title="from before the cookie")
+    client = Client(url, verbose=False)
+    cleared, convos, _history, _system = client.predict(legacy, api_name="/on_load")
+    assert cleared == "moved" and convos["value"] == old["id"]
+    assert [c[1] for c in convos["choices"]] == [old["id"]]
+    new_owner = "browser:" + client.cookies["crowdchat_id"].partition(".")[0]
+    assert [s["id"] for s in sm.list_sessions(new_owner)] == [old["id"]]
+    assert sm.list_sessions(f"browser:{legacy}") == []
+
+
+def test_a_body_over_the_cap_gets_413_and_the_server_keeps_serving(anonymous: tuple) -> None:
+    url, _, _ = anonymous
+    big = {"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 2}
+    with httpx.Client(base_url=url, timeout=120) as http:
+        r = http.post("/v1/chat/completions", json=big)
+        assert r.status_code == 413 and "4096 bytes" in r.json()["error"]["message"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: the cap holds while reading
+            yield b'{"messages": [{"role": "user", "content": "'
+            for _ in range(10):
+                yield b"y" * 1000
+            yield b'"}], "max_tokens": 2}'
+
+        r = http.post("/v1/chat/completions", content=chunks())
+        assert r.status_code == 413, r.text
+        r = http.post("/gradio_api/queue/join", content=b"z" * 5000)
+        assert r.status_code == 413 and "too large" in r.text
+    ok = httpx.post(url + "/v1/chat/completions", json=HI, timeout=120)
+    assert ok.status_code == 200
+
+
+def test_api_keys_file_closes_the_anonymous_api(nf4_model: LoadedModel, tmp_path: Path) -> None:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# service keys\nci:ci-key-0123456789abcdef\nplain-key-0123456789abcdef\n")
+    with running_server(nf4_model, tmp_path / "data", api_keys_file=keys) as (url, _, sm):
+        with httpx.Client(base_url=url, timeout=60) as http:
+            assert http.get("/v1/models").status_code == 401
+            assert (
+                http.get("/v1/models", headers=bearer("nope-0123456789abcdef")).status_code == 401
+            )
+            for key in ("ci-key-0123456789abcdef", "plain-key-0123456789abcdef"):
+                assert http.get("/v1/models", headers=bearer(key)).status_code == 200
+            sid = http.post("/v1/sessions", headers=bearer("ci-key-0123456789abcdef")).json()["id"]
+        assert sm.get_session("api:ci", sid)["owner"] == "api:ci"
