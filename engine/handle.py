@@ -32,6 +32,7 @@ class RequestHandle:
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.num_cached_tokens = 0  # prompt tokens served from a resident KV prefix
+        self.admitted = False  # reached the running batch (else its prompt was never computed)
         self._cancel = cancel
         self._events: queue.SimpleQueue[str | _Finished] = queue.SimpleQueue()
         self._done = threading.Event()

@@ -64,6 +64,7 @@ class OutputProcessor:
             if req is not None and not req.admitted:
                 req.admitted = True
                 req.handle.num_cached_tokens = seq.num_computed
+                req.handle.admitted = True
                 self.left_queue()
                 self.metrics.record_admission(time.monotonic())
 
