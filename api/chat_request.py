@@ -86,11 +86,18 @@ def _content(m: dict, i: int) -> str:
     )
 
 
-def parse_messages(body: dict) -> list[dict[str, str]]:
-    """`messages` as [{role, content}] with roles system/user/assistant and text content."""
+def parse_messages(body: dict, max_messages: int | None = None) -> list[dict[str, str]]:
+    """`messages` as [{role, content}] with roles system/user/assistant and text content;
+    more than `max_messages` are refused before any is looked at."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list", param="messages")
+    if max_messages is not None and len(messages) > max_messages:
+        raise ApiError(
+            f"the request has {len(messages)} messages; this server accepts at most "
+            f"{max_messages} per request",
+            param="messages",
+        )
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -155,7 +162,9 @@ def parse_params(body: dict, max_model_len: int) -> SamplingParams:
         raise ApiError(message, param=first if first in body else None) from None
 
 
-def parse_chat_request(body: dict, max_model_len: int) -> ChatRequest:
+def parse_chat_request(
+    body: dict, max_model_len: int, max_messages: int | None = None
+) -> ChatRequest:
     """A ChatRequest from a decoded JSON body, or ApiError naming the offending field."""
     stream = bool(typed_field(body, "stream", "bool"))
     options = body.get("stream_options")
@@ -163,5 +172,5 @@ def parse_chat_request(body: dict, max_model_len: int) -> ChatRequest:
         raise ApiError("stream_options must be an object", param="stream_options")
     include_usage = bool(typed_field(options or {}, "include_usage", "bool"))
     return ChatRequest(
-        parse_messages(body), parse_params(body, max_model_len), stream, include_usage
+        parse_messages(body, max_messages), parse_params(body, max_model_len), stream, include_usage
     )

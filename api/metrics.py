@@ -150,6 +150,14 @@ class CrowdchatCollector(Collector):
             "Times the KV writer thread crashed and restarted",
             st.kv_writer_restarts,
         )
+        limited = CounterMetricFamily(
+            "crowdchat_requests_limited",
+            "Requests refused by a per-user limit (tokens, turns, requests, sessions, ...)",
+            labels=["limit"],
+        )
+        for name, n in sorted(st.refused_by.items()):
+            limited.add_metric([name], n)
+        yield limited
 
 
 def health_problems(engine: Engine, sessions: SessionManager) -> list[str]:

@@ -112,7 +112,11 @@ def build_router(engine: Engine, sessions: SessionManager, model_name: str) -> A
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         try:
-            req = parse_chat_request(parse_json_object(await request.body()), engine.max_model_len)
+            req = parse_chat_request(
+                parse_json_object(await request.body()),
+                engine.max_model_len,
+                sessions.config.max_messages_per_request,
+            )
             source = await asyncio.to_thread(
                 start, owner_of(request), request.headers.get("x-session-id"), req
             )

@@ -33,6 +33,7 @@ class RequestHandle:
         self.error: str | None = None
         self.num_cached_tokens = 0  # prompt tokens whose KV was already in the pool
         self.num_hit_tokens = 0  # of them, found by the prefix cache (not the owner's own KV)
+        self.admitted = False  # reached the running batch (else its prompt was never computed)
         self._cancel = cancel
         self._events: queue.SimpleQueue[str | _Finished] = queue.SimpleQueue()
         self._done = threading.Event()

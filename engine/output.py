@@ -65,6 +65,7 @@ class OutputProcessor:
                 req.admitted = True
                 req.handle.num_cached_tokens = seq.num_computed
                 req.handle.num_hit_tokens = seq.num_hit_tokens
+                req.handle.admitted = True
                 self.left_queue()
                 self.metrics.record_admission(time.monotonic())
 

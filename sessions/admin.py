@@ -1,15 +1,16 @@
 """What the admin page, the monitor and /metrics may know about sessions: per-session facts
-and one frozen summary, so none of them reaches into the offloader, the store or the limiter."""
+and one frozen summary, so none of them reaches into the offloader, the store or the limiter.
+Both cost the same whatever the number of sessions: the summary reads counters the store
+keeps, the facts cover the most recently active sessions only."""
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Container
 from dataclasses import dataclass, field
 
 from engine import Engine
-from sessions.limits import TokenRateLimiter
+from sessions.admission import Admission
 from sessions.residency import Residency
 from sessions.store import Store
 
@@ -43,23 +44,27 @@ class SessionStats:
     persists: int
     persist_failures: int
     evictions: int  # idle sessions moved out of a full pool
-    rate_limited: int  # turns refused by the per-user token budget
+    rate_limited: int  # requests refused by the per-user token budget or a per-user cap
     last_snapshot_error: str | None
     restore_errors: int = 0  # restores that failed unexpectedly (not a bad or stale file)
     last_restore_error: str | None = None
     kv_writer_healthy: bool = True  # the thread that makes evicted KV durable
     kv_writer_restarts: int = 0
     persist_backoff: dict[str, str] = field(default_factory=dict)  # session -> why, retry when
+    refused_by: dict[str, int] = field(default_factory=dict)  # limit -> requests refused
 
 
-def session_facts(engine: Engine, store: Store, active: Container[str]) -> list[SessionFacts]:
-    """Every session with its state and memory, most recently active first."""
+def session_facts(
+    engine: Engine, store: Store, active: Container[str], limit: int
+) -> list[SessionFacts]:
+    """The `limit` most recently active sessions with their state and memory."""
     resident = engine.resident_kv()
-    snaps = {r["session_id"]: r["bytes"] for r in store.snapshots()}
+    rows = store.recent_sessions(limit)
+    snaps = store.snapshot_bytes([row["id"] for row in rows])
     per_block = engine.kv_bytes_per_token * engine.config.block_size
     now = time.time()
     out = []
-    for row in store.all_sessions():
+    for row in rows:
         blocks = resident.get(row["id"], (0, 0, 0.0))[1]
         out.append(
             SessionFacts(
@@ -77,14 +82,14 @@ def session_facts(engine: Engine, store: Store, active: Container[str]) -> list[
     return out
 
 
-def session_stats(store: Store, residency: Residency, limiter: TokenRateLimiter) -> SessionStats:
+def session_stats(store: Store, residency: Residency, admission: Admission) -> SessionStats:
     """The summary for the admin page, the monitor's warnings and /metrics."""
     off = residency.offload
-    snaps = store.snapshots()
+    files, nbytes = store.snapshot_totals()
     return SessionStats(
-        states=dict(Counter(row["state"] for row in store.all_sessions())),
-        snapshots=len(snaps),
-        snapshot_bytes=sum(r["bytes"] for r in snaps),
+        states=store.session_counts(),
+        snapshots=files,
+        snapshot_bytes=nbytes,
         disk_budget_bytes=off.disk_budget,
         host_bytes=off.host_bytes(),
         restores=dict(off.restores),
@@ -92,7 +97,7 @@ def session_stats(store: Store, residency: Residency, limiter: TokenRateLimiter)
         persists=off.persists,
         persist_failures=off.failures,
         evictions=off.evictions,
-        rate_limited=limiter.refused,
+        rate_limited=admission.refused,
         last_snapshot_error=off.last_error,
         restore_errors=off.restore_errors,
         last_restore_error=off.last_restore_error,
@@ -103,4 +108,5 @@ def session_stats(store: Store, residency: Residency, limiter: TokenRateLimiter)
             f"{time.strftime('%H:%M:%S', time.localtime(st.retry_at))}"
             for sid, st in off.persist_failing().items()
         },
+        refused_by={"tokens": admission.limiter.refused, **admission.caps.refused},
     )

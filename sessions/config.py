@@ -30,6 +30,20 @@ class SessionConfig(Settings):
     tokens_per_minute: int = setting(
         20_000, "per-user budget of new prompt + generated tokens (0: off)"
     )
+    max_turns_per_user: int = setting(4, "conversations answering at once per user (0: no cap)")
+    max_requests_per_user: int = setting(
+        8, "requests queued or answering per user: turns and one-off completions (0: no cap)"
+    )
+    max_sessions_per_user: int = setting(200, "conversations kept per user (0: no cap)")
+    max_pending_creates: int = setting(
+        16, "conversations being created at once, all users together (0: no cap)"
+    )
+    max_pending_creates_per_user: int = setting(
+        2, "conversations being created at once per user (0: no cap)"
+    )
+    max_messages_per_request: int = setting(
+        256, "messages in one request of a whole conversation (API without a session)"
+    )
     shared_system_prompt: Path | None = setting(
         None,
         "a text file: the system prompt of conversations without their own, whose KV all "
@@ -48,6 +62,16 @@ class SessionConfig(Settings):
         need(self.max_message_chars >= 1, "--max-message-chars must be >= 1")
         need(self.max_tokens_per_turn >= 1, "--max-tokens-per-turn must be >= 1")
         need(self.tokens_per_minute >= 0, "--tokens-per-minute must be >= 0 (0: off)")
+        for name in (
+            "max_turns_per_user",
+            "max_requests_per_user",
+            "max_sessions_per_user",
+            "max_pending_creates",
+            "max_pending_creates_per_user",
+        ):
+            flag = "--" + name.replace("_", "-")
+            need(getattr(self, name) >= 0, f"{flag} must be >= 0 (0: no cap)")
+        need(self.max_messages_per_request >= 1, "--max-messages-per-request must be >= 1")
         if self.shared_system_prompt is not None:
             object.__setattr__(self, "shared_system_prompt", Path(self.shared_system_prompt))
             need(

@@ -1,61 +1,107 @@
-"""Per-user token budgets, so one user cannot monopolize the shared batch."""
+"""Per-user token budgets, charged when work is admitted, so one user cannot monopolize the
+shared batch by running many requests at once."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections import defaultdict, deque
+from dataclasses import dataclass
 
 from sessions.errors import RateLimited
 
 WINDOW_S = 60.0
 
 
-class TokenRateLimiter:
-    """A sliding one-minute window of tokens per owner: what their turns cost the server,
-    the prompt tokens it computed (a history recomputed after its KV was dropped or cut
-    counts; a prefix served from resident KV does not) and the reply.
+@dataclass
+class Reservation:
+    """Tokens held for one admitted request until it ends and `settle` charges what it cost."""
 
-    `check` refuses a new turn while the owner's last minute is at or over the limit;
-    `record` adds what a turn cost once it is known. A limit of 0 turns it off.
+    owner: str
+    tokens: int
+    settled: bool = False
+
+
+class TokenRateLimiter:
+    """A sliding one-minute window of tokens per owner, plus the tokens their requests in
+    flight have reserved.
+
+    `reserve` runs when a request is admitted: it holds the prompt tokens the server will
+    compute (a history recomputed after its KV was dropped or cut counts; a prefix served from
+    resident KV does not) and the whole reply budget (`max_tokens`), and refuses the request
+    if the owner's last minute plus what is reserved plus this request would pass the limit.
+    `settle` runs when the request ends (finished, stopped, failed): the reservation goes and
+    what the request really cost is charged to the window, so what it did not generate comes
+    back. An owner with nothing used or reserved may always run one request, however large
+    (else a turn bigger than the whole budget could never run). A limit of 0 turns it off.
     """
 
     def __init__(self, tokens_per_minute: int) -> None:
         self.limit = tokens_per_minute
         self._used: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
+        self._reserved: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
         self.refused = 0
 
+    def _window(self, owner: str, now: float) -> int:
+        """Tokens charged in the last minute (lock held)."""
+        window = self._used.get(owner)
+        if not window:
+            return 0
+        while window and window[0][0] <= now - WINDOW_S:
+            window.popleft()
+        if not window:
+            del self._used[owner]  # idle users cost nothing
+            return 0
+        return sum(n for _, n in window)
+
     def used(self, owner: str, now: float | None = None) -> int:
-        now = time.monotonic() if now is None else now
+        """Tokens charged to `owner` in the last minute (settled requests)."""
         with self._lock:
-            window = self._used.get(owner)
-            if not window:
-                return 0
-            while window and window[0][0] <= now - WINDOW_S:
-                window.popleft()
-            if not window:
-                del self._used[owner]  # idle users cost nothing
-                return 0
-            return sum(n for _, n in window)
+            return self._window(owner, time.monotonic() if now is None else now)
 
-    def check(self, owner: str) -> None:
-        """Raise RateLimited, saying when to come back, if the owner is over the limit."""
-        if not self.limit:
-            return
-        now = time.monotonic()
-        used = self.used(owner, now)
-        if used >= self.limit:
-            with self._lock:
-                self.refused += 1
-                oldest = self._used[owner][0][0]
-            wait = max(1, int(oldest + WINDOW_S - now + 1))
-            raise RateLimited(
-                f"you have used {used} tokens in the last minute (the limit is "
-                f"{self.limit} per user); try again in {wait} s"
-            )
+    def reserved(self, owner: str) -> int:
+        """Tokens held by `owner`'s requests in flight."""
+        with self._lock:
+            return self._reserved.get(owner, 0)
 
-    def record(self, owner: str, tokens: int) -> None:
-        if self.limit and tokens > 0:
-            with self._lock:
-                self._used[owner].append((time.monotonic(), tokens))
+    def reserve(self, owner: str, tokens: int) -> Reservation:
+        """Hold `tokens` for a request of `owner`; RateLimited, saying when to come back, if
+        that would pass the limit."""
+        tokens = max(int(tokens), 0)
+        with self._lock:
+            if self.limit:
+                now = time.monotonic()
+                used = self._window(owner, now)
+                held = self._reserved.get(owner, 0)
+                if used + held and used + held + tokens > self.limit:
+                    self.refused += 1
+                    raise RateLimited(self._refusal(owner, used, held, tokens, now))
+            self._reserved[owner] += tokens
+        return Reservation(owner, tokens)
+
+    def settle(self, reservation: Reservation, cost: int) -> None:
+        """The request ended having cost `cost` tokens: release its reservation and charge
+        that instead (idempotent: only the first call counts)."""
+        with self._lock:
+            if reservation.settled:
+                return
+            reservation.settled = True
+            left = self._reserved[reservation.owner] - reservation.tokens
+            assert left >= 0, "a reservation was released twice"
+            if left:
+                self._reserved[reservation.owner] = left
+            else:
+                del self._reserved[reservation.owner]
+            if self.limit and cost > 0:
+                self._used[reservation.owner].append((time.monotonic(), int(cost)))
+
+    def _refusal(self, owner: str, used: int, held: int, tokens: int, now: float) -> str:
+        window = self._used.get(owner)
+        wait = max(1, int(window[0][0] + WINDOW_S - now + 1)) if window else 1
+        flight = f" and {held} are held by your replies in progress" if held else ""
+        when = "when a reply ends or " if held else ""
+        return (
+            f"you have used {used} tokens in the last minute{flight}; this request needs "
+            f"{tokens} more (the limit is {self.limit} per user); try again {when}in {wait} s"
+        )

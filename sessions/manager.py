@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 
 from sqlite_utils.db import NotFoundError
@@ -18,9 +17,9 @@ from sqlite_utils.db import NotFoundError
 from engine import Engine, InvalidRequest, SamplingParams
 from engine.chat_format import ChatFormatter
 from sessions.admin import SessionFacts, SessionStats, session_facts, session_stats
+from sessions.admission import Admission, Ticket, cost, prompt_to_compute
 from sessions.config import SessionConfig
 from sessions.errors import SessionBusy, SessionNotFound
-from sessions.limits import TokenRateLimiter
 from sessions.prompt import Message, PromptEncoder, clean_messages, clean_text, conversation
 from sessions.reply import OneOffReply, Reply
 from sessions.residency import Residency
@@ -31,6 +30,7 @@ from sessions.turn import ChatTurn
 
 log = logging.getLogger(__name__)
 TITLE_CHARS = 60
+ADMIN_ROWS = 200  # sessions the admin page lists, most recently active first
 
 
 class SessionManager:
@@ -50,7 +50,8 @@ class SessionManager:
             (self.default_system,) if self.default_system else (),
         )
         self.formatter = self.prompts.formatter
-        self.limiter = TokenRateLimiter(config.tokens_per_minute)
+        self.admission = Admission(config)
+        self.limiter = self.admission.limiter
         self._active: dict[str, ChatTurn | None] = {}  # session id -> its running turn
         self._active_lock = threading.Lock()
         self.residency = Residency(engine, config, self.store, self.files, self._is_busy)
@@ -59,13 +60,18 @@ class SessionManager:
 
     # -- sessions -----------------------------------------------------------------------
     def create_session(self, owner: str, title: str = "", system_prompt: str = "") -> dict:
-        """A new empty conversation for `owner` with a random 128-bit id."""
+        """A new empty conversation for `owner` with a random 128-bit id (RateLimited at the
+        per-user cap on conversations, or while the owner creates too many at once; ServerBusy
+        while everyone together does: the writes queue on the one SQLite writer)."""
         system_prompt = (
             clean_text(system_prompt, self.config.max_message_chars)
             if system_prompt.strip()
             else ""
         )
-        return self.store.create_session(secrets.token_hex(16), owner, title[:200], system_prompt)
+        with self.admission.caps.creating(owner, self.store.count_sessions):
+            return self.store.create_session(
+                secrets.token_hex(16), owner, title[:200], system_prompt
+            )
 
     def list_sessions(self, owner: str) -> list[dict]:
         return self.store.list_sessions(owner)
@@ -110,56 +116,69 @@ class SessionManager:
 
     # -- replies ------------------------------------------------------------------------
     def complete(self, owner: str, messages: list[Message], params: SamplingParams) -> Reply:
-        """Answer a whole conversation sent at once (no session). It is charged its prompt
-        and its reply budget up front, as nothing is kept to charge later."""
-        params = self._limit(owner, params)
-        ids = self.prompts.encode(clean_messages(messages, self.config.max_message_chars))
-        handle = self.engine.submit(
-            ids, params, user=owner, cache_ns=owner, shareable_prefix=self.prompts.shareable(ids)
-        )
-        self.limiter.record(owner, len(ids) + params.max_new_tokens)
-        return OneOffReply(handle, self.engine.queue_position)
+        """Answer a whole conversation sent at once (no session). Its whole prompt and its
+        reply budget are reserved when it is admitted; what it did not use comes back when
+        it ends."""
+        cap = self.config.max_messages_per_request
+        if len(messages) > cap:
+            raise InvalidRequest(f"the request has {len(messages)} messages; the limit is {cap}")
+        params = self.admission.clamp(params)
+        with self.admission.holding(owner, turn=False) as ticket:
+            cleaned = clean_messages(messages, self.config.max_message_chars)
+            ids = self.prompts.encode(cleaned, self.engine.max_model_len)
+            self.admission.reserve(ticket, len(ids), params)
+            handle = self.engine.submit(  # fair share and prefix cache per identity
+                ids,
+                params,
+                user=owner,
+                cache_ns=owner,
+                shareable_prefix=self.prompts.shareable(ids),
+            )
+        end = functools.partial(self._end_one_off, ticket=ticket)
+        return OneOffReply(handle, self.engine.queue_position, on_end=end)
 
     def chat(self, owner: str, sid: str, text: str, params: SamplingParams) -> ChatTurn:
         """Add the user's message (committed before anything streams) and start the reply."""
         self.get_session(owner, sid)
         text = clean_text(text, self.config.max_message_chars)
-        params = self._limit(owner, params)
-        with self._claimed(sid) as session:
+        params = self.admission.clamp(params)
+        with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
             history = self.store.messages(sid)
             convo = [
                 *conversation(session, history, self.default_system),
                 {"role": "user", "content": text},
             ]
             prompt = self.prompts.encode_fitting(convo, params)
+            self.admission.reserve(ticket, prompt_to_compute(session, prompt), params)
             update = {"state": SessionState.ACTIVE, "last_active": time.time()}
             if not session["title"]:
                 update["title"] = " ".join(text.split())[:TITLE_CHARS]
             self.store.add_message(sid, "user", text, session_fields=update)
-            return self._start(sid, prompt, params, session)
+            return self._start(sid, prompt, params, session, ticket)
 
     def regenerate(self, owner: str, sid: str, params: SamplingParams) -> ChatTurn:
         """Replace the last reply with a new one, once the engine accepted the new request
         (until then the old reply stays, also when the server turns the request away)."""
         self.get_session(owner, sid)
-        params = self._limit(owner, params)
-        with self._claimed(sid) as session:
+        params = self.admission.clamp(params)
+        with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
             history = self.store.messages(sid)
             old = history.pop() if history and history[-1]["role"] == "assistant" else None
             if not history or history[-1]["role"] != "user":
                 raise InvalidRequest("there is no message to answer again")
             convo = conversation(session, history, self.default_system)
             prompt = self.prompts.encode_fitting(convo, params)
+            self.admission.reserve(ticket, prompt_to_compute(session, prompt), params)
             replace = functools.partial(self._replace, reply_ids=[old["id"]] if old else [])
-            return self._start(sid, prompt, params, session, on_accept=replace)
+            return self._start(sid, prompt, params, session, ticket, on_accept=replace)
 
     def edit_last(self, owner: str, sid: str, text: str, params: SamplingParams) -> ChatTurn:
         """Replace the last user message (and its reply) and answer it again; the edit is
         written, in one transaction, once the engine accepted the new request."""
         self.get_session(owner, sid)
         text = clean_text(text, self.config.max_message_chars)
-        params = self._limit(owner, params)
-        with self._claimed(sid) as session:
+        params = self.admission.clamp(params)
+        with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
             history = self.store.messages(sid)
             replies = []
             while history and history[-1]["role"] == "assistant":
@@ -171,10 +190,11 @@ class SessionManager:
                 {"role": "user", "content": text},
             ]
             prompt = self.prompts.encode_fitting(convo, params)
+            self.admission.reserve(ticket, prompt_to_compute(session, prompt), params)
             replace = functools.partial(
                 self._replace, reply_ids=[r["id"] for r in replies], edit=(history[-1]["id"], text)
             )
-            return self._start(sid, prompt, params, session, on_accept=replace)
+            return self._start(sid, prompt, params, session, ticket, on_accept=replace)
 
     def prefetch(self, owner: str, sid: str) -> None:
         """The user opened this conversation: bring its KV back while they type."""
@@ -188,13 +208,17 @@ class SessionManager:
             turn.cancel()
 
     # -- admin --------------------------------------------------------------------------
-    def facts(self) -> list[SessionFacts]:
-        """Every session with its state and memory, most recently active first."""
-        return session_facts(self.engine, self.store, self._active)
+    def facts(self, limit: int = ADMIN_ROWS) -> list[SessionFacts]:
+        """The `limit` most recently active sessions with their state and memory."""
+        return session_facts(self.engine, self.store, self._active, limit)
+
+    def find_sessions(self, prefix: str, limit: int = 2) -> list[str]:
+        """Admin: ids of up to `limit` sessions starting with `prefix` (hex)."""
+        return self.store.sessions_starting(prefix.strip().lower(), limit)
 
     def stats(self) -> SessionStats:
         """Counters and totals for the admin page, the monitor and /metrics."""
-        return session_stats(self.store, self.residency, self.limiter)
+        return session_stats(self.store, self.residency, self.admission)
 
     def persist_now(self, sid: str) -> bool:
         """Admin: write the session's KV to disk and free its blocks now."""
@@ -222,16 +246,6 @@ class SessionManager:
         self.store.close()
 
     # -- internals ----------------------------------------------------------------------
-    def _limit(self, owner: str, params: SamplingParams) -> SamplingParams:
-        """Apply the per-user limits: RateLimited when over budget, the reply length capped."""
-        self.limiter.check(owner)
-        cap = self.config.max_tokens_per_turn
-        if params.max_new_tokens > cap:
-            params = replace(
-                params, max_new_tokens=cap, min_new_tokens=min(params.min_new_tokens, cap)
-            )
-        return params
-
     @contextmanager
     def _claimed(self, sid: str) -> Iterator[dict]:
         """Mark the session as answering for the block (SessionBusy if it already is) and
@@ -262,6 +276,7 @@ class SessionManager:
         prompt: list[int],
         params: SamplingParams,
         session: dict,
+        ticket: Ticket,
         on_accept: Callable[[ChatTurn], None] | None = None,
     ) -> ChatTurn:
         prior = session["token_count"]  # the conversation's tokens before this turn
@@ -280,7 +295,7 @@ class SessionManager:
                 shareable_prefix=self.prompts.shareable(prompt),
             ),
             queue_position=self.engine.queue_position,
-            on_end=functools.partial(self._end_turn, owner=session["owner"]),
+            on_end=functools.partial(self._end_turn, ticket=ticket),
             on_accept=on_accept,
         )
         self._active[sid] = turn
@@ -298,18 +313,22 @@ class SessionManager:
             session_fields={"state": SessionState.ACTIVE, "last_active": time.time()},
         )
 
-    def _end_turn(self, turn: ChatTurn, owner: str) -> None:
+    def _end_one_off(self, reply: OneOffReply, ticket: Ticket) -> None:
+        self.admission.end(ticket, cost(reply.handle))
+
+    def _end_turn(self, turn: ChatTurn, ticket: Ticket) -> None:
         """Commit the reply (also a partial or failed one) and the session's new state, then
         free the session for its next turn. A turn the engine never took leaves the
-        conversation as it was. The owner is charged what the turn cost the server: the
-        prompt tokens it computed (a dropped history's recompute too) and the reply."""
+        conversation as it was. The owner's reservation is settled to what the turn cost the
+        server: the prompt tokens it computed (a dropped history's recompute too) and the
+        reply; what it did not generate comes back."""
         sid = turn.session_id
+        self.admission.end(ticket, cost(turn.handle))
         try:
             if not turn.accepted:
                 self.store.update_session(sid, state=SessionState.RESIDENT, last_active=time.time())
                 return
             generated = turn.num_generated_tokens
-            self.limiter.record(owner, generated + turn.num_prefilled_tokens)
             update = {
                 "state": SessionState.RESIDENT,
                 "token_count": len(turn.prompt) + generated,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
+import re
 import secrets
-import unicodedata
 
 from engine import InvalidRequest, PromptTooLong, SamplingParams
 from engine.chat_format import ChatFormatter
@@ -12,22 +12,25 @@ from engine.chat_format import ChatFormatter
 Message = dict[str, str]  # {"role": ..., "content": ...}
 KEEP_FRACTION = 0.75  # a conversation that outgrew its context is cut down to this much of it
 TOKEN_CACHE_ENTRIES = 16_384  # tokenized pieces of text kept (messages, template pieces)
+CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # Unicode's Cc but tab and newline
 
 
 def clean_text(text: object, limit: int) -> str:
     """A user's message as safe text, or InvalidRequest saying what is wrong with it."""
     if not isinstance(text, str):
         raise InvalidRequest("the message must be text")
+    # checked first, so a huge message costs no more than its length to refuse
+    if len(text) > limit:
+        raise InvalidRequest(f"the message is {len(text)} characters; the limit is {limit}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise InvalidRequest("the message is not valid UTF-8 text") from None
-    # control characters other than tab and newline carry no meaning in a chat message
-    text = "".join(c for c in text if c in "\t\n" or unicodedata.category(c) != "Cc")
+    # control characters (category Cc) other than tab and newline carry no meaning in a chat
+    # message
+    text = CONTROL.sub("", text)
     if not text.strip():
         raise InvalidRequest("the message is empty")
-    if len(text) > limit:
-        raise InvalidRequest(f"the message is {len(text)} characters; the limit is {limit}")
     return text
 
 
@@ -111,9 +114,27 @@ class PromptEncoder:
                 return len(head)
         return 0
 
-    def encode(self, messages: list[Message]) -> list[int]:
-        """Token ids of a conversation as it is (a one-off request: nothing is dropped)."""
-        return self.formatter.encode(messages)
+    def encode(self, messages: list[Message], limit: int) -> list[int]:
+        """Token ids of a conversation as it is (a one-off request: nothing is dropped), or
+        PromptTooLong once the messages' own tokens pass `limit`: each message is tokenized
+        once, in order, and a request far over the context stops there, before the rest is
+        tokenized or the prompt is built."""
+        contents, total = [], 0
+        for m in messages:  # not cached: one-off text is not seen again
+            contents.append(self._tokenize(m["content"], True))
+            total += len(contents[-1])
+            if total > limit:
+                raise PromptTooLong(
+                    f"the messages are over {total} tokens long; this server's context "
+                    f"holds {limit} (send fewer or shorter messages)"
+                )
+        ids = [t for piece in self.pieces(messages, contents) for t in piece]
+        if len(ids) > limit:
+            raise PromptTooLong(
+                f"the prompt is {len(ids)} tokens long; this server's context holds {limit} "
+                "(send fewer or shorter messages)"
+            )
+        return ids
 
     def encode_fitting(self, convo: list[Message], params: SamplingParams) -> list[int]:
         """Token ids of the conversation; the oldest turns give way, in steps (see
@@ -147,9 +168,12 @@ class PromptEncoder:
                 )
             start = later[0]
 
-    def pieces(self, messages: list[Message]) -> list[tuple[int, ...]]:
+    def pieces(
+        self, messages: list[Message], contents: list[tuple[int, ...]] | None = None
+    ) -> list[tuple[int, ...]]:
         """The ids `ChatFormatter.encode` gives, in pieces: template text, message 0's text,
-        template text, message 1's text, ..., template text (with the generation prompt)."""
+        template text, message 1's text, ..., template text (with the generation prompt).
+        `contents`: the messages' texts already tokenized."""
         marker = f"\x00{secrets.token_hex(8)}"
         masked = [
             {"role": m["role"], "content": f"{marker}{i}{marker}"} for i, m in enumerate(messages)
@@ -162,6 +186,8 @@ class PromptEncoder:
         return [
             self._tokens(part, False)
             if i % 2 == 0
+            else contents[int(part)]
+            if contents is not None
             else self._tokens(messages[int(part)]["content"], True)
             for i, part in enumerate(parts)
         ]

@@ -55,15 +55,20 @@ def kv_source(reply: Reply) -> str | None:
 
 
 class OneOffReply:
-    """A one-off request's engine handle, seen as a Reply."""
+    """A one-off request's engine handle, seen as a Reply. `on_end(reply)` runs once, when
+    the iteration ends (also when it fails or its reader leaves)."""
 
     restored_from: str | None = None
 
     def __init__(
-        self, handle: RequestHandle, queue_position: Callable[[RequestHandle], int | None]
+        self,
+        handle: RequestHandle,
+        queue_position: Callable[[RequestHandle], int | None],
+        on_end: Callable[[OneOffReply], None] | None = None,
     ) -> None:
         self.handle = handle
         self._queue_position = queue_position
+        self._on_end = on_end
 
     @property
     def finish_reason(self) -> str | None:
@@ -92,4 +97,11 @@ class OneOffReply:
         self.handle.cancel()
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.handle)
+        try:
+            yield from self.handle
+        finally:
+            if not self.handle.done:
+                self.handle.cancel()  # the reader went away mid-stream
+            if self._on_end is not None:
+                on_end, self._on_end = self._on_end, None
+                on_end(self)

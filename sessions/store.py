@@ -90,6 +90,41 @@ class Store:
         """Every session, most recently active first."""
         return self._rows("sessions", None, [], "last_active desc, created desc")
 
+    def recent_sessions(self, limit: int) -> list[dict]:
+        """The `limit` most recently active sessions, most recent first (read in index order,
+        whatever the number of sessions)."""
+        sql = "SELECT * FROM sessions ORDER BY last_active DESC, created DESC LIMIT ?"
+        return [_decoded(row) for row in self.sql.reader().query(sql, [limit])]
+
+    def sessions_starting(self, prefix: str, limit: int) -> list[str]:
+        """Ids of up to `limit` sessions whose id starts with the hex `prefix`."""
+        if not prefix or not all(c in "0123456789abcdef" for c in prefix):
+            return []
+        sql = "SELECT id FROM sessions WHERE id GLOB ? ORDER BY id LIMIT ?"
+        return [row[0] for row in self.sql.reader().execute(sql, [prefix + "*", limit])]
+
+    def count_sessions(self, owner: str) -> int:
+        """How many sessions `owner` has (an index count)."""
+        sql = "SELECT count(*) FROM sessions WHERE owner = ?"
+        return self.sql.reader().execute(sql, [owner]).fetchone()[0]
+
+    def session_counts(self) -> dict[str, int]:
+        """Sessions by state, as the triggers of migration 005 keep them (no scan)."""
+        rows = self.sql.reader().execute("SELECT state, n FROM session_counts WHERE n > 0")
+        return dict(rows.fetchall())
+
+    def snapshot_totals(self) -> tuple[int, int]:
+        """(snapshot rows, their bytes), kept by triggers (no scan)."""
+        return self.sql.reader().execute("SELECT files, bytes FROM snapshot_totals").fetchone()
+
+    def snapshot_bytes(self, session_ids: list[str]) -> dict[str, int]:
+        """session id -> its snapshot's bytes, for those of `session_ids` that have one."""
+        if not session_ids:
+            return {}
+        marks = ", ".join("?" * len(session_ids))
+        sql = f"SELECT session_id, bytes FROM snapshots WHERE session_id IN ({marks})"  # noqa: S608
+        return dict(self.sql.reader().execute(sql, session_ids).fetchall())
+
     def reassign_owner(self, old: str, new: str) -> int:
         """Give every session of `old` to `new` (one UPDATE); returns how many moved."""
         return self.sql.write(

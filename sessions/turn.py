@@ -59,9 +59,9 @@ class ChatTurn:
 
     @property
     def num_prefilled_tokens(self) -> int:
-        """Prompt tokens the engine computed: all but the prefix served from resident KV (a
-        request stopped while queued counts its whole prompt; the engine does not say)."""
-        if self.handle is None:
+        """Prompt tokens the engine computed: all but the prefix served from resident KV
+        (none when the request never left the queue)."""
+        if self.handle is None or not self.handle.admitted:
             return 0
         return max(self.handle.num_prompt_tokens - self.handle.num_cached_tokens, 0)
 

@@ -143,27 +143,35 @@ def test_a_turn_is_charged_what_the_server_computed_also_a_recomputed_history(
 ) -> None:
     engine, sm = make_sessions(nf4_model, tmp_path, tokens_per_minute=10**6)
     try:
-        charges: list[int] = []  # what each turn was charged (the window may slide meanwhile)
-        real = sm.limiter.record
+        held: list[int] = []  # what each turn reserved when it was admitted
+        charges: list[int] = []  # what each turn was charged when it ended
+        reserve, settle = sm.limiter.reserve, sm.limiter.settle
         monkeypatch.setattr(
             sm.limiter,
-            "record",
-            lambda owner, tokens: (charges.append(tokens), real(owner, tokens)),
+            "reserve",
+            lambda owner, tokens: (held.append(tokens), reserve(owner, tokens))[1],
+        )
+        monkeypatch.setattr(
+            sm.limiter, "settle", lambda r, cost: (charges.append(cost), settle(r, cost))
         )
         sid = sm.create_session("u")["id"]
         turns = []
         for text in (Q1, Q2, "And what does it eat?"):
             if len(turns) == 2:
                 sm.drop_kv(sid)  # its KV is gone: the next turn recomputes the whole history
+            before = sm.get_session("u", sid)["token_count"]
             turn = sm.chat("u", sid, text, FORCED)
             turn.result()
             turns.append(turn)
             h = turn.handle
             assert charges[-1] == h.num_prompt_tokens - h.num_cached_tokens + 8
+            kept = 0 if len(turns) == 3 else before  # the KV the turn could reuse
+            assert held[-1] == len(turn.prompt) - kept + 8
         assert len(charges) == 3
         assert turns[1].handle.num_cached_tokens > 0  # resident: only the new tokens
         assert charges[1] < len(turns[1].prompt) // 2 + 8
         assert turns[2].handle.num_cached_tokens == 0  # recomputed: all of it
-        assert charges[2] == len(turns[2].prompt) + 8
+        assert held[2] == charges[2] == len(turns[2].prompt) + 8  # reserved and charged
+        assert sm.limiter.used("u") == sum(charges) and sm.limiter.reserved("u") == 0
     finally:
         close_sessions(engine, sm)

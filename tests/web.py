@@ -30,12 +30,14 @@ def running_server(
     data_dir: Path,
     engine_overrides: dict | None = None,
     apps: list | None = None,
+    session_overrides: dict | None = None,
     **app_overrides: object,
 ) -> Iterator[tuple[str, object, object]]:
     """Yields (base url, engine, session manager) of a live server; stops it afterwards.
     `apps`: gets the FastAPI app appended (its `state.doors` has the throttle, the keys...).
+    `session_overrides`: SessionConfig fields (limits, caps).
     The new-identities cap is raised: the suites open many clients from one address."""
-    engine, sm = make_sessions(loaded, data_dir, engine_overrides)
+    engine, sm = make_sessions(loaded, data_dir, engine_overrides, **(session_overrides or {}))
     settings: dict[str, object] = {
         "admin_password": ADMIN_PASSWORD,
         "new_identities_per_minute": 10_000,

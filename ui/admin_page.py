@@ -69,6 +69,8 @@ def totals(monitor: Monitor, sessions: SessionManager, length: float) -> str:
         f"(failed {st.persist_failures}) · **preemptions** {s.preemptions} · **rejections** "
         f"{s.requests_rejected} · **finished** {s.requests_finished} · **failed** "
         f"{s.requests_failed}",
+        "**Refused by per-user limits** "
+        + (" · ".join(f"{k} {v}" for k, v in sorted(st.refused_by.items()) if v) or "none"),
         f"**Capacity**: {monitor.fits(int(length))} conversations of {int(length)} tokens fit "
         f"in the pool at once.",
     ]
@@ -158,7 +160,7 @@ def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
 
     def act(action: str, prefix: str) -> str:
         prefix = (prefix or "").strip()
-        matches = [f.id for f in sessions.facts() if prefix and f.id.startswith(prefix)]
+        matches = sessions.find_sessions(prefix)
         if len(matches) != 1:
             return f"No single session starts with {prefix!r}."
         sid = matches[0]
@@ -195,7 +197,11 @@ def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
                 )
                 for title in plots
             ]
-        table = gr.Dataframe(label="Sessions", interactive=False, elem_id="sessions")
+        table = gr.Dataframe(
+            label="Sessions (the most recently active first; up to 200)",
+            interactive=False,
+            elem_id="sessions",
+        )
         served = gr.Dataframe(
             label="Served tokens per user (top 10, the rest as 'other')",
             interactive=False,
