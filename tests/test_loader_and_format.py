@@ -98,7 +98,14 @@ def test_int8_quantization_loads_and_answers(model_dir: Path, tmp_path: Path) ->
     try:
         fmt = ChatFormatter(engine.tokenizer)
         h = engine.submit(
-            fmt.encode([{"role": "user", "content": "What is the capital of France?"}]),
+            fmt.encode(
+                [
+                    {
+                        "role": "user",
+                        "content": "What is the capital of France? Answer in one sentence.",
+                    }
+                ]
+            ),
             SamplingParams(temperature=0, max_new_tokens=12),
         )
         assert "Paris" in h.result()
