@@ -54,6 +54,9 @@ def test_unwritable_snapshots_keep_sessions_resident_and_chatting(
         close_sessions(engine, sm)
 
 
+POLITE = "Answer every question carefully and politely, in plain and simple words. " * 4
+
+
 def test_unwritable_snapshots_under_memory_pressure_make_sessions_cold(
     nf4_model: LoadedModel, tmp_path: Path
 ) -> None:
@@ -67,7 +70,14 @@ def test_unwritable_snapshots_under_memory_pressure_make_sessions_cold(
     )
     try:
         break_directory(sm.files.directory)
-        sids = [sm.create_session(f"u{i}")["id"] for i in range(4)]
+        # each its own system prompt: the template's default one would be shared by all four
+        # in the prefix cache, and they would fit without pressure
+        sids = [
+            sm.create_session(f"u{i}", system_prompt=f"You are assistant number {i}. " + POLITE)[
+                "id"
+            ]
+            for i in range(4)
+        ]
         for i, sid in enumerate(sids):  # each needs ~4 blocks: the pool must evict
             assert sm.chat(f"u{i}", sid, "Hello there!", GREEDY).result()
         deadline = time.time() + 10
