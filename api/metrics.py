@@ -27,6 +27,14 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(f"crowdchat_{name}", doc, value=value)
 
 
+def _counter_by(name: str, doc: str, label: str, values: dict[str, float]) -> CounterMetricFamily:
+    """One counter per `label` value, in label order."""
+    family = CounterMetricFamily(f"crowdchat_{name}", doc, labels=[label])
+    for key, n in sorted(values.items()):
+        family.add_metric([key], n)
+    return family
+
+
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"crowdchat_{name}", doc, value=value)
 
@@ -112,14 +120,12 @@ class CrowdchatCollector(Collector):
         for state in (*known, *sorted(set(st.states) - set(known))):
             by_state.add_metric([state], st.states.get(state, 0))
         yield by_state
-        restores = CounterMetricFamily(
-            "crowdchat_session_restores",
+        yield _counter_by(
+            "session_restores",
             "Session KV restored into the pool, by source",
-            labels=["source"],
+            "source",
+            st.restores,
         )
-        for source, n in sorted(st.restores.items()):
-            restores.add_metric([source], n)
-        yield restores
         yield _counter("session_persists", "Session KV snapshots written to disk", st.persists)
         yield _counter(
             "session_persist_failures",
@@ -150,14 +156,12 @@ class CrowdchatCollector(Collector):
             "Times the KV writer thread crashed and restarted",
             st.kv_writer_restarts,
         )
-        limited = CounterMetricFamily(
-            "crowdchat_requests_limited",
+        yield _counter_by(
+            "requests_limited",
             "Requests refused by a per-user limit (tokens, turns, requests, sessions, ...)",
-            labels=["limit"],
+            "limit",
+            st.refused_by,
         )
-        for name, n in sorted(st.refused_by.items()):
-            limited.add_metric([name], n)
-        yield limited
 
 
 def health_problems(engine: Engine, sessions: SessionManager) -> list[str]:

@@ -37,7 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.load import ROOT, ReplyCount, Server, pct  # noqa: E402
+from bench.load import ROOT, ReplyCount, Server, pct, stream_body  # noqa: E402
 from bench.mixed import cpu_name  # noqa: E402
 from engine.fair_share import max_min_share  # noqa: E402
 
@@ -77,15 +77,7 @@ class Owner:
 
 
 async def one_request(http: httpx.AsyncClient, owner: Owner, prompt: str, new_tokens: int) -> None:
-    body = {
-        "messages": [{"role": "user", "content": prompt}],
-        "stream": True,
-        "max_tokens": new_tokens,
-        "min_tokens": new_tokens,
-        "ignore_eos": True,
-        "temperature": 0.8,
-        "stream_options": {"include_usage": True},
-    }
+    body = stream_body([{"role": "user", "content": prompt}], new_tokens)
     headers = {"Authorization": f"Bearer {owner.key}"}
     t0 = time.perf_counter()
     reply, stamps = ReplyCount(), []

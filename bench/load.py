@@ -157,6 +157,19 @@ class ReplyCount:
         return "".join(self.parts)
 
 
+def stream_body(messages: list[dict[str, str]], new_tokens: int) -> dict:
+    """A streamed chat request of exactly `new_tokens` tokens (EOS ignored), usage included."""
+    return {
+        "messages": messages,
+        "stream": True,
+        "max_tokens": new_tokens,
+        "min_tokens": new_tokens,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "stream_options": {"include_usage": True},
+    }
+
+
 async def one_turn(
     http: httpx.AsyncClient,
     headers: dict[str, str],
@@ -166,15 +179,7 @@ async def one_turn(
     model: str | None = None,
 ) -> tuple[int, str]:
     """Send one request, stream the reply; returns the tokens generated and the reply text."""
-    body = {
-        "messages": messages,
-        "stream": True,
-        "max_tokens": new_tokens,
-        "min_tokens": new_tokens,
-        "ignore_eos": True,
-        "temperature": 0.8,
-        "stream_options": {"include_usage": True},
-    }
+    body = stream_body(messages, new_tokens)
     if model:
         body["model"] = model
     t0 = time.perf_counter()
