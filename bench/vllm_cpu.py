@@ -91,7 +91,7 @@ class VllmSpec:
     python: Path
     model: Path
     port: int
-    kv_gb: float = 2.0  # VLLM_CPU_KVCACHE_SPACE: the KV pool, preallocated at start
+    kv_gb: int = 2  # VLLM_CPU_KVCACHE_SPACE (whole GiB): the KV pool, preallocated at start
     cpus: str | None = None  # "0" or "0-1": taskset and vLLM's OpenMP binding
     dtype: str = "bfloat16"
     max_model_len: int | None = None
@@ -107,7 +107,7 @@ class VllmSpec:
         return ["taskset", "-c", self.cpus, *cmd] if self.cpus else cmd
 
     def env(self) -> dict[str, str]:
-        env = {"VLLM_CPU_KVCACHE_SPACE": f"{self.kv_gb:g}", "HF_HUB_OFFLINE": "1"}
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(self.kv_gb), "HF_HUB_OFFLINE": "1"}
         if self.cpus:  # vLLM binds its OpenMP threads itself; keep them on the taskset cores
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
         return env
@@ -198,6 +198,15 @@ def serving_vllm(specs: Sequence[VllmSpec], logs: Path, timeout: float = 1200): 
     """vLLM servers started in parallel (each loads in about a minute on 2 cores)."""
     servers = [(f"vllm-{s.port}", s.command(), s.port, s.env()) for s in specs]
     return serving_all(servers, logs, "/health", timeout)
+
+
+def crowdchat_command(
+    urls: Sequence[str], model: Path, port: int, data_dir: Path, *extra: str
+) -> list[str]:
+    """crowdchat over upstream replicas (`--engine-url`), the same model's tokenizer locally."""
+    cmd = [sys.executable, str(ROOT / "app.py"), "--engine-url", ",".join(urls)]
+    cmd += ["--model", str(model), "--port", str(port), "--data-dir", str(data_dir)]
+    return [*cmd, *extra]
 
 
 def main() -> None:

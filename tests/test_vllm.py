@@ -1,0 +1,271 @@
+"""crowdchat over two real vLLM-CPU servers (`--engine-url A,B`): the API and the page,
+streaming, Stop, session stickiness, a replica killed mid-conversation, upstream errors.
+
+Slow (two vLLM start-ups): run by `make test-vllm` (CROWDCHAT_TEST_VLLM=1), which `make vllm`
+prepares; skipped otherwise. Which replica served a turn is read from the replicas' own
+Prometheus counters (`vllm:request_success_total`), one turn at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.load import free_port
+from bench.vllm_cpu import (
+    CACHE,
+    Launched,
+    VllmSpec,
+    crowdchat_command,
+    serving_vllm,
+    vllm_python,
+)
+
+pytestmark = pytest.mark.skipif(
+    not os.environ.get("CROWDCHAT_TEST_VLLM") or vllm_python() is None,
+    reason="vLLM-CPU tests: `make test-vllm` (after `make vllm`)",
+)
+ADMIN_PASSWORD = "correct horse battery"
+CONTEXT = 2048  # vLLM's --max-model-len: small, so an over-long request is cheap to make
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+
+def model_dir() -> Path:
+    found = sorted((CACHE / "model-data" / "models").glob("*/config.json"))
+    if not found:
+        pytest.skip("no converted model: run `make vllm`")
+    return found[-1].parent
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Launched]]:
+    """Two vLLM-CPU servers started in parallel, each on its own core (when there are two)."""
+    python, model = vllm_python(), model_dir()
+    assert python is not None
+    cores = [str(i % (os.cpu_count() or 1)) for i in range(2)]
+    specs = [
+        VllmSpec(
+            python,
+            model,
+            free_port(),
+            kv_gb=1,
+            cpus=cores[i],
+            max_model_len=CONTEXT,
+            # eager: no torch.compile warm-up, a much faster start (seconds, not minutes)
+            extra=("--enable-prefix-caching", "--enforce-eager"),
+        )
+        for i in range(2)
+    ]
+    with serving_vllm(specs, tmp_path_factory.mktemp("vllm-logs"), timeout=900) as servers:
+        yield servers
+
+
+@pytest.fixture(scope="module")
+def crowdchat(
+    replicas: list[Launched], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path]]:
+    """crowdchat over both replicas, in its own process: (base URL, its SQLite file)."""
+    data, port = tmp_path_factory.mktemp("crowdchat-data"), free_port()
+    cmd = crowdchat_command([r.base for r in replicas], model_dir(), port, data)
+    env = {
+        "CROWDCHAT_ADMIN_PASSWORD": ADMIN_PASSWORD,
+        "CROWDCHAT_NEW_IDENTITIES_PER_MINUTE": "1000",
+    }
+    app = Launched("crowdchat", cmd, port, data, env)
+    try:
+        yield app.wait_ready("/health", timeout=300), data / "crowdchat.db"
+    finally:
+        app.stop()
+
+
+def served(replicas: list[Launched]) -> list[float]:
+    """Requests each replica has finished (any reason), from its /metrics."""
+    out = []
+    for r in replicas:
+        text = httpx.get(r.base + "/metrics", timeout=10).text
+        out.append(
+            sum(
+                s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name == "vllm:request_success_total"
+            )
+        )
+    return out
+
+
+def running(replica: Launched) -> float:
+    text = httpx.get(replica.base + "/metrics", timeout=10).text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "vllm:num_requests_running"
+    )
+
+
+def new_session(base: str, key: str) -> dict[str, str]:
+    auth = {"Authorization": f"Bearer {key}"}
+    made = httpx.post(base + "/v1/sessions", headers=auth, timeout=30)
+    assert made.status_code == 200, made.text
+    return {**auth, "X-Session-Id": made.json()["id"]}
+
+
+def turn(base: str, headers: dict, text: str, max_tokens: int = 12) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+    return httpx.post(base + "/v1/chat/completions", json=body, headers=headers, timeout=300)
+
+
+def which(before: list[float], after: list[float]) -> int:
+    """The one replica whose counter moved by one."""
+    moved = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if b != a]
+    assert len(moved) == 1 and after[moved[0]] - before[moved[0]] == 1, (before, after)
+    return moved[0]
+
+
+def stored(db: Path, session_id: str) -> list[tuple[str, str]]:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        sql = "SELECT role, content FROM messages WHERE session_id = ? ORDER BY id"
+        return con.execute(sql, [session_id]).fetchall()
+
+
+def test_a_session_streams_over_the_api_and_every_turn_is_stored(crowdchat, replicas):
+    base, db = crowdchat
+    headers = new_session(base, "stream-key")
+    body = {
+        "messages": [{"role": "user", "content": "Name three colours."}],
+        "max_tokens": 16,
+        "stream": True,
+    }
+    deltas = []
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                deltas.append(line)
+    assert len(deltas) >= 3  # streamed piece by piece, not one blob
+    second = turn(base, headers, "And one more?")
+    assert second.status_code == 200 and second.json()["choices"][0]["message"]["content"]
+    roles = [role for role, _ in stored(db, headers["X-Session-Id"])]
+    assert roles == ["user", "assistant", "user", "assistant"]
+
+
+def test_each_session_sticks_to_one_replica_and_sessions_use_both(crowdchat, replicas):
+    base, _ = crowdchat
+    homes: list[int] = []
+    for n in range(12):  # until both replicas own a session (rendezvous: about half each)
+        headers = new_session(base, f"sticky-{n}")
+        seen = set()
+        for t in range(3):
+            before = served(replicas)
+            assert turn(base, headers, f"Say a word ({t}).", max_tokens=4).status_code == 200
+            seen.add(which(before, served(replicas)))
+        assert len(seen) == 1, f"session {n} moved between replicas: {seen}"
+        homes.append(seen.pop())
+        if len(set(homes)) == 2 and n >= 3:
+            break
+    assert set(homes) == {0, 1}, homes
+
+
+def test_closing_the_stream_aborts_the_upstream_request(crowdchat, replicas):
+    base, db = crowdchat
+    headers = new_session(base, "stop-key")
+    body = {
+        "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    chunks = 0
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers=headers) as r:
+        for line in r.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks >= 5:
+                break  # the client goes away: Stop
+    deadline = time.time() + 20
+    while any(running(r) for r in replicas) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not any(running(r) for r in replicas), "vLLM kept generating after the client left"
+    deadline = time.time() + 20  # the partial reply is kept, as with the built-in engine
+    while len(stored(db, headers["X-Session-Id"])) < 2 and time.time() < deadline:
+        time.sleep(0.5)
+    assert [role for role, _ in stored(db, headers["X-Session-Id"])] == ["user", "assistant"]
+
+
+def test_a_request_over_the_upstreams_context_gets_a_clear_error(crowdchat, replicas):
+    base, _ = crowdchat
+    headers = new_session(base, "long-key")
+    long = " ".join(["word"] * (CONTEXT + 200))
+    r = turn(base, headers, long)
+    assert r.status_code == 400, r.text
+    assert "context" in r.json()["error"]["message"].lower() or "long" in r.text.lower()
+    # fits as a prompt, but prompt + max_tokens is over vLLM's --max-model-len: vLLM refuses
+    r = turn(base, new_session(base, "long-key-2"), " ".join(["word"] * 1900), max_tokens=400)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "2048" in message or "context" in message.lower(), message
+    ok = turn(base, new_session(base, "after-long"), "Hello!")  # everyone else is served
+    assert ok.status_code == 200
+
+
+def test_the_page_streams_and_stops_and_the_admin_page_lists_the_replicas(crowdchat, replicas):
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.test_browser import CHROMIUM, FLAGS, assistant_text, loaded
+
+    base, _ = crowdchat
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        page = browser.new_page(viewport={"width": 1100, "height": 900})
+        page.goto(base + "/")
+        loaded(page)
+        page.locator("#message textarea").fill("Write a long story about a brave little robot.")
+        page.locator("#send").click()
+        deadline = time.time() + 120
+        while len(assistant_text(page)) < 40 and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(assistant_text(page)) >= 40
+        page.locator("#stop").click()
+        expect(page.locator("#status")).to_contain_text("Stopped", timeout=20_000)
+        stopped = assistant_text(page)
+        time.sleep(1.5)
+        assert assistant_text(page) == stopped
+        page.screenshot(path=str(ARTIFACTS / "chat-vllm.png"), full_page=True)
+        admin = browser.new_page(viewport={"width": 1280, "height": 1000})
+        admin.goto(base + "/admin/")
+        admin.get_by_label("username").fill("admin")
+        admin.get_by_label("password").fill(ADMIN_PASSWORD)
+        admin.get_by_role("button", name="Login").click()
+        for r in replicas:
+            expect(admin.locator("#replicas")).to_contain_text(r.base, timeout=30_000)
+        admin.screenshot(path=str(ARTIFACTS / "admin-vllm.png"), full_page=True)
+        browser.close()
+
+
+def test_a_killed_replica_hands_its_sessions_to_the_other_and_nothing_is_lost(crowdchat, replicas):
+    """Last in the module: it kills one of the replicas."""
+    base, db = crowdchat
+    headers = new_session(base, "failover-key")
+    before = served(replicas)
+    assert turn(base, headers, "Remember the word lantern.").status_code == 200
+    home = which(before, served(replicas))
+    replicas[home].kill()  # SIGKILL, children included: the replica is gone mid-conversation
+    replicas[home].proc.wait(30)
+    other = replicas[1 - home]
+    before_other = served([other])[0]
+    r = turn(base, headers, "Which word did I ask you to remember?")
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"]
+    assert served([other])[0] == before_other + 1  # the conversation was recomputed there
+    rows = stored(db, headers["X-Session-Id"])
+    assert [role for role, _ in rows] == ["user", "assistant", "user", "assistant"]
+    assert rows[0][1] == "Remember the word lantern."
+    assert httpx.get(base + "/health", timeout=10).status_code == 200  # one replica is enough
