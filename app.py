@@ -68,7 +68,7 @@ def build_app(
     resolver = Resolver(users, keys, config.api_keys_file)
     throttle = LoginThrottle(config.login_failures_per_name, config.login_failures_per_address)
     browser_ids = BrowserIds(secret_file(data_dir / "cookie.key"), config.new_identities_per_minute)
-    app.include_router(build_router(engine, sessions, engine.loaded.model_id))
+    app.include_router(build_router(engine, sessions, engine.model_id))
     app.include_router(build_metrics_router(engine, sessions))
     monitor = Monitor(engine, sessions)
     css = [STATIC / "crowdchat.css"]
@@ -112,10 +112,10 @@ def build_app(
         move_sessions=sessions.store.reassign_owner,
     )
     section = KeysSection(keys, page) if users is not None else None
-    chat = build_chat_blocks(page, concurrency=engine.config.max_num_seqs, keys=section)
+    chat = build_chat_blocks(page, concurrency=engine.max_num_seqs, keys=section)
     chat.queue(
-        default_concurrency_limit=engine.config.max_num_seqs,
-        max_size=engine.config.max_queue + engine.config.max_num_seqs,
+        default_concurrency_limit=engine.max_num_seqs,
+        max_size=engine.max_queue + engine.max_num_seqs,
     )
     app = gr.mount_gradio_app(
         app,

@@ -47,6 +47,20 @@ class Histogram:
 
 
 @dataclass(frozen=True)
+class ReplicaStats:
+    """One upstream replica as the admin page and /metrics show it."""
+
+    url: str
+    healthy: bool
+    draining: bool
+    served: int  # turns it answered (to the end or not)
+    failures: int  # turns it failed (refused, 5xx, died mid-stream)
+    in_flight: int
+    last_error: str | None
+    upstream: dict[str, float]  # what its /metrics said (vLLM names, without "vllm:")
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A consistent snapshot of the engine, safe to read from any thread."""
 
@@ -87,6 +101,7 @@ class EngineStats:
     served: tuple[tuple[str, int, int], ...] = ()
     alive: bool = True  # False once the engine thread has died or was shut down
     failure: str | None = None  # why the engine thread died
+    replicas: tuple[ReplicaStats, ...] = ()  # upstream backends only: one row per replica
 
 
 def percentile(samples: deque[float], q: float) -> float | None:
@@ -138,6 +153,14 @@ class Metrics:
             self.prompt_tokens += prompt_tokens
             if new_tokens:
                 self.token_times.append((now, new_tokens))
+            while self.token_times and self.token_times[0][0] < now - WINDOW_S:
+                self.token_times.popleft()
+
+    def record_tokens(self, now: float, new_tokens: int) -> None:
+        """Tokens that arrived outside a step (an upstream's stream)."""
+        with self.lock:
+            self.generated_tokens += new_tokens
+            self.token_times.append((now, new_tokens))
             while self.token_times and self.token_times[0][0] < now - WINDOW_S:
                 self.token_times.popleft()
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from engine import Engine
+from engine import Backend
 from sessions import SessionManager
 
 HISTORY_S = 600  # ten minutes of time series
@@ -31,7 +31,7 @@ class Memory:
     detail: dict[str, int]
 
 
-def memory(engine: Engine) -> Memory:
+def memory(engine: Backend) -> Memory:
     """VRAM from torch on CUDA; RAM from psutil on CPU."""
     s = engine.stats()
     block_bytes = s.kv_bytes_per_token * s.block_size
@@ -73,7 +73,7 @@ def memory(engine: Engine) -> Memory:
 class Monitor:
     """Samples the engine every couple of seconds so every admin view shares one history."""
 
-    def __init__(self, engine: Engine, sessions: SessionManager) -> None:
+    def __init__(self, engine: Backend, sessions: SessionManager) -> None:
         self.engine = engine
         self.sessions = sessions
         self.samples: deque[dict[str, float]] = deque(maxlen=int(HISTORY_S / SAMPLE_S))
