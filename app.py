@@ -24,7 +24,7 @@ from doors.config import AppConfig
 from doors.identity import Resolver, identity_of
 from doors.middleware import Doors
 from doors.throttle import LoginThrottle
-from engine import CrowdchatError, Engine, EngineConfig
+from engine import Backend, CrowdchatError, EngineConfig, open_backend
 from sessions import SessionConfig, SessionManager
 from sessions.api_keys import ApiKeys
 from ui.admin_page import build_admin_blocks
@@ -58,7 +58,7 @@ def _admin_user(request: Request) -> str | None:
 
 
 def build_app(
-    engine: Engine, sessions: SessionManager, config: AppConfig, data_dir: Path
+    engine: Backend, sessions: SessionManager, config: AppConfig, data_dir: Path
 ) -> tuple[FastAPI, Monitor]:
     """One FastAPI server: API and metrics routes, /admin and the chat page at /, all behind
     the Doors middleware (`app.state.doors`: its parts, for tests and operators)."""
@@ -162,12 +162,13 @@ def main(argv: list[str] | None = None) -> None:
         engine_config = EngineConfig.from_namespace(args)
         session_config = SessionConfig.from_namespace(args)
         app_config = AppConfig.from_namespace(args)
-        engine = Engine(engine_config)
+        engine = open_backend(engine_config)
     except CrowdchatError as e:
         sys.exit(f"crowdchat: {e}")
     s = engine.stats()
     log.info(
-        "model %.1f MB; KV pool %.1f MB = %d blocks x %d tokens (%d tokens, %d bytes/token)",
+        "%s: model %.1f MB; KV pool %.1f MB = %d blocks x %d tokens (%d tokens, %d bytes/token)",
+        engine.device_type,
         s.model_bytes / 2**20,
         s.kv_bytes / 2**20,
         s.blocks_total,

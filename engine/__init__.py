@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.backend import Backend
+from engine.backend import Backend, open_backend
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import (
@@ -37,4 +37,5 @@ __all__ = [
     "SamplingParams",
     "ServerBusy",
     "StepRunner",
+    "open_backend",
 ]

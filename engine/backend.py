@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 
 from transformers import PreTrainedTokenizerBase
 
+from engine.config import EngineConfig
 from engine.handle import RequestHandle
 from engine.metrics import EngineStats, Metrics
 from engine.resident import KVExport
@@ -89,3 +90,14 @@ class Backend(Protocol):
         ...
 
     def shutdown(self, timeout: float = 10.0) -> None: ...
+
+
+def open_backend(config: EngineConfig) -> Backend:
+    """The upstream backend with --engine-url, else the built-in engine (loads the model)."""
+    if config.urls():
+        from engine.upstream import UpstreamBackend
+
+        return UpstreamBackend(config)
+    from engine.engine import Engine
+
+    return Engine(config)

@@ -215,3 +215,45 @@ def engine_stats(engine: Engine) -> EngineStats:
             alive=engine.alive,
             failure=engine.failure,
         )
+
+
+# EngineStats fields without meaning for an upstream backend (its pool is vLLM's: `replicas`)
+NO_POOL = (
+    "waiting",
+    "blocks_total",
+    "blocks_used",
+    "blocks_free",
+    "resident_owners",
+    "resident_blocks",
+    "kv_bytes",
+    "kv_bytes_per_token",
+    "model_bytes",
+    "token_budget",
+    "preemptions",
+    "resident_dropped",
+    "steps",
+    "max_batch_seen",
+)
+
+
+def stream_stats(m: Metrics, **facts: object) -> EngineStats:
+    """Stats of a backend without a pool of its own: latencies and counters from `m`, the
+    rest from `facts` (running, block_size, max_model_len, alive, failure, replicas)."""
+    now = time.monotonic()
+    with m.lock:
+        return EngineStats(  # type: ignore[arg-type]
+            **dict.fromkeys(NO_POOL, 0),
+            tokens_per_s=m.tokens_per_s(now),
+            prompt_tokens_total=m.prompt_tokens,
+            generated_tokens_total=m.generated_tokens,
+            ttft_p50_s=percentile(m.ttft, 50),
+            ttft_p95_s=percentile(m.ttft, 95),
+            itl_p50_s=percentile(m.itl, 50),
+            itl_p95_s=percentile(m.itl, 95),
+            step_ms_p50=None,
+            requests_finished=m.finished,
+            requests_failed=m.failed,
+            requests_rejected=m.rejected,
+            schedule="upstream",
+            **facts,
+        )

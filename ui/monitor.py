@@ -37,8 +37,8 @@ def memory(engine: Backend) -> Memory:
     block_bytes = s.kv_bytes_per_token * s.block_size
     kv_used = s.blocks_used * block_bytes
     kv_free = s.kv_bytes - kv_used
-    dev = engine.loaded.device
-    if dev.type == "cuda":
+    if engine.device_type == "cuda":
+        dev = torch.device("cuda")
         free, total = torch.cuda.mem_get_info(dev)
         detail = {
             "allocated": torch.cuda.memory_allocated(dev),
@@ -59,7 +59,7 @@ def memory(engine: Backend) -> Memory:
     rss = psutil.Process().memory_info().rss
     other = max(vm.total - vm.available - s.model_bytes - s.kv_bytes, 0)
     return Memory(
-        "cpu (RAM)",
+        "cpu (RAM)" if engine.device_type == "cpu" else "this host (RAM; the model runs upstream)",
         vm.total,
         s.model_bytes,
         kv_used,
@@ -89,7 +89,7 @@ class Monitor:
             "queue": s.waiting,
             "tokens_per_s": round(s.tokens_per_s, 1),
             "kv_blocks_used": s.blocks_used,
-            "kv_used_frac": s.blocks_used / s.blocks_total,
+            "kv_used_frac": s.blocks_used / max(s.blocks_total, 1),
             "ttft_p50_s": s.ttft_p50_s or 0.0,
         }
         self.samples.append(row)
