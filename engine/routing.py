@@ -52,10 +52,11 @@ def parse_metrics(text: str) -> dict[str, float]:
     over their labels (vLLM labels them by model and engine); names without 'vllm:'."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        if family.name not in UPSTREAM_METRICS:
-            continue
-        total = sum(s.value for s in family.samples if not s.name.endswith(("_created", "_bucket")))
-        out[family.name.removeprefix("vllm:")] = total
+        for sample in family.samples:  # by sample name: TYPE lines differ between exporters
+            name = sample.name.removesuffix("_total")
+            if name in UPSTREAM_METRICS:
+                key = name.removeprefix("vllm:")
+                out[key] = out.get(key, 0.0) + sample.value
     return out
 
 
