@@ -191,13 +191,14 @@ def requests_per_s(model: Path, args: argparse.Namespace) -> dict:
         with Front([f.url for f in fakes], model, args.logs, "crowdchat-fake") as front:
             server = Server(front.base, [])
             asyncio.run(run_point(server, 4, 1, 8, (0, 0)))  # warm-up
+            warm = sum(f.completed for f in fakes)
             before, t0 = front.cpu_s(), time.perf_counter()
             until = time.perf_counter() + args.rps_seconds
             p = asyncio.run(
                 run_point(server, args.rps_users, 0, args.fake_tokens, (0, 0), until=until)
             )
             wall, cpu = time.perf_counter() - t0, front.cpu_s() - before
-            turns = sum(f.completed for f in fakes)
+            turns = sum(f.completed for f in fakes) - warm
     finally:
         for f in fakes:
             f.stop()
@@ -237,7 +238,7 @@ def main() -> None:
         extra += ("--enforce-eager",) if args.eager else ()
         cores = [str(i % (os.cpu_count() or 1)) for i in range(2)]
         specs = [
-            VllmSpec(python, model, free_port(), kv_gb=args.kv_gb, cpus=c, extra=extra)
+            VllmSpec(python, model, free_port(), args.kv_gb, c, max_model_len=2048, extra=extra)
             for c in cores
         ]
         with serving_vllm(specs, args.logs) as servers:
