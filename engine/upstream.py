@@ -31,6 +31,7 @@ from engine.sequence import FinishReason, SamplingParams, check_prompt
 from engine.upstream_stream import Outcome, completion_body, stream_turn
 
 log = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request and health check
 T = TypeVar("T")
 
 
