@@ -31,6 +31,7 @@ from engine.sequence import FinishReason, SamplingParams, check_prompt
 from engine.upstream_stream import Outcome, completion_body, stream_turn
 
 log = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request and health check
 T = TypeVar("T")
 
 
@@ -61,7 +62,12 @@ class UpstreamBackend:
         )
         self._thread.start()
         self._client: httpx.AsyncClient = self._call(self._make_client())
-        self.upstream_model, upstream_len = self._call(self._discover())
+        try:
+            self.upstream_model, upstream_len = self._call(self._discover())
+        except BaseException:
+            self._call(self._client.aclose())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
         self.max_model_len = min(config.max_model_len or context, upstream_len or context)
         self._health = asyncio.run_coroutine_threadsafe(self._health_loop(), self._loop)
         log.info(
@@ -257,7 +263,7 @@ class UpstreamBackend:
                     self.router,
                     replica,
                     handle,
-                    completion_body(self.upstream_model, ids, params),
+                    completion_body(self.upstream_model, ids, params, self.max_model_len),
                     self.metrics,
                     (self.config.upstream_first_token_s, self.config.upstream_idle_s),
                 )

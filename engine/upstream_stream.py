@@ -54,15 +54,18 @@ def rejection(status: int, message: str) -> type[CrowdchatError]:
     return InvalidRequest
 
 
-def completion_body(model: str, ids: list[int], p: SamplingParams) -> dict[str, Any]:
-    """The `/v1/completions` request: the prompt as token ids, sampling mapped 1:1."""
+def completion_body(
+    model: str, ids: list[int], p: SamplingParams, max_model_len: int
+) -> dict[str, Any]:
+    """The `/v1/completions` request: the prompt as token ids, sampling mapped 1:1, the reply
+    budget cut to the context left (vLLM refuses more; the built-in engine stops there)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": ids,
         "stream": True,
         "stream_options": {"include_usage": True},
         "return_token_ids": True,  # vLLM >= 0.10.2; others ignore it and we count chunks
-        "max_tokens": p.max_new_tokens,
+        "max_tokens": max(1, min(p.max_new_tokens, max_model_len - len(ids))),
         "temperature": p.temperature,
         "top_p": p.top_p,
     }

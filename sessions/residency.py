@@ -56,8 +56,9 @@ class Residency:
         self._sweeper.start()
 
     def restore(self, sid: str, had_kv: bool) -> str:
-        """Bring the session's KV back for its turn: 'resident', 'host', 'disk' or 'cold'.
-        A session that had KV and comes back cold is a recompute, counted here."""
+        """Bring the session's KV back for its turn: 'resident', 'host', 'disk' or 'cold'
+        ('upstream' when the backend keeps KV itself: nothing to move here). A session that
+        had KV and comes back cold is a recompute, counted here."""
         if not self.engine.keeps_kv:  # the upstream's prefix cache has it, or recomputes it
             return "upstream"
         source = self.offload.restore(sid)

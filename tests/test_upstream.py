@@ -14,10 +14,19 @@ import pytest
 import uvicorn
 
 from app import AppConfig, build_app
-from engine import Backend, EngineConfig, EngineStopped, RequestFailed, SamplingParams
+from engine import (
+    Backend,
+    EngineConfig,
+    EngineStopped,
+    InvalidRequest,
+    ModelLoadError,
+    RequestFailed,
+    SamplingParams,
+)
 from engine.loader import local_tokenizer
 from engine.routing import Router, parse_metrics, score
 from engine.upstream import UpstreamBackend
+from engine.upstream_stream import completion_body
 from sessions import SessionConfig, SessionManager
 from tests.fake_model import fake_engine
 from tests.fake_upstream import MODEL, FakeReplica
@@ -158,6 +167,30 @@ def test_vllm_metrics_are_read_and_missing_ones_tolerated() -> None:
         "llamacpp:tokens_predicted_total 7\n"
     )
     assert parse_metrics(text) == {"num_requests_running": 5.0, "prefix_cache_hits": 40.0}
+
+
+def test_the_request_body_maps_sampling_and_keeps_the_reply_inside_the_context() -> None:
+    plain = completion_body("m", [5, 6, 7], SamplingParams(max_new_tokens=100), 50)
+    assert plain["prompt"] == [5, 6, 7] and plain["max_tokens"] == 47
+    assert not {"top_k", "min_tokens", "seed", "stop", "ignore_eos"} & set(plain)
+    p = SamplingParams(top_k=5, min_new_tokens=2, seed=0, stop=("x",), ignore_eos=True)
+    full = completion_body("m", [1], p, 4096)
+    assert (full["top_k"], full["min_tokens"], full["seed"]) == (5, 2, 0)
+    assert (full["stop"], full["ignore_eos"], full["max_tokens"]) == (["x"], True, 256)
+
+
+def test_bad_urls_and_unreachable_upstreams_stop_start_up_with_a_message(
+    local: tuple, tmp_path: Path
+) -> None:
+    with pytest.raises(InvalidRequest, match="--engine-url"):
+        EngineConfig(engine_url="127.0.0.1:8000")
+    with pytest.raises(InvalidRequest, match="--engine-url"):
+        EngineConfig(engine_url=" , ")
+    config = EngineConfig(
+        data_dir=tmp_path, engine_url=f"http://127.0.0.1:{free_port()}", upstream_wait_s=0.3
+    )
+    with pytest.raises(ModelLoadError, match="no --engine-url server answered"):
+        UpstreamBackend(config, local=local)
 
 
 # -- chat over the API and the session layer -------------------------------------------------
