@@ -301,11 +301,16 @@ def test_upstream_errors_become_clear_messages(up, replicas) -> None:  # noqa: A
     assert got.json()["error"]["code"] == "context_length_exceeded"
     assert "maximum context length" in got.json()["error"]["message"]
     for r in replicas:
+        r.fault = "429"
+    got = ask(url, "the upstream is overloaded")
+    assert got.status_code == 429 and got.json()["error"]["code"] == "server_busy"
+    assert "model server is busy" in got.json()["error"]["message"]
+    for r in replicas:
         r.fault = "500"
     got = ask(url, "both replicas fail")
     assert got.status_code == 503, got.text
     assert "no model server is reachable" in got.json()["error"]["message"]
-    assert sum(len(r.requests) for r in replicas) == 1 + 2  # the 400, then each replica once
+    assert sum(len(r.requests) for r in replicas) == 1 + 1 + 2  # 400, 429, each replica once
     for r in replicas:  # now both crash: the health checks see it, new turns are refused
         r.fault = "unhealthy"
     wait_for(lambda: httpx.get(f"{url}/health").status_code == 503, 5)
