@@ -227,7 +227,8 @@ def test_sessions_stick_to_one_replica_and_spread_over_both(up, replicas) -> Non
         names = set()
         for turn in range(3):
             before = [len(r.requests) for r in replicas]
-            assert ask(url, f"turn {turn} of {i}", sid).status_code == 200
+            got = ask(url, f"turn {turn} of {i}", sid)
+            assert got.status_code == 200 and got.headers["x-crowdchat-kv"] == "upstream"
             names |= {r.name for r, n in zip(replicas, before, strict=True) if len(r.requests) > n}
         assert len(names) == 1, names  # sticky_fraction 1.0 while both are healthy
         homes.append(names.pop())
@@ -289,6 +290,8 @@ def test_cancel_closes_the_upstream_stream(up, replicas) -> None:  # noqa: ANN00
     wait_for(lambda: sum(r.aborted for r in replicas) == 1, 5)
     assert sum(r.completed for r in replicas) == 0
     assert sm.messages(owner, sid)[-1]["finish_reason"] == "cancelled"
+    # no KV snapshots here: the upstream keeps the KV, SQLite the conversation
+    assert not sm.persist_now(sid) and sm.stats().snapshots == 0
     wait_for(lambda: backend.stats().running == 0, 5)
 
 
