@@ -51,9 +51,14 @@ def local(model_dir: Path) -> tuple:
 
 @contextmanager
 def upstream_server(
-    replicas: list[FakeReplica], data_dir: Path, local: tuple, **overrides: object
+    replicas: list[FakeReplica],
+    data_dir: Path,
+    local: tuple,
+    app: dict | None = None,
+    **overrides: object,
 ) -> Iterator[tuple[str, UpstreamBackend, SessionManager, object]]:
-    """crowdchat with --engine-url over `replicas`: (base url, backend, sessions, monitor)."""
+    """crowdchat with --engine-url over `replicas`: (base url, backend, sessions, monitor).
+    `app`: AppConfig fields (e.g. the admin password); `overrides`: EngineConfig fields."""
     settings: dict[str, object] = {
         "data_dir": data_dir,
         "engine_url": ",".join(r.url for r in replicas),
@@ -63,9 +68,11 @@ def upstream_server(
     settings.update(overrides)
     backend = UpstreamBackend(EngineConfig(**settings), local=local)  # type: ignore[arg-type]
     sm = SessionManager(backend, SessionConfig(idle_seconds=3600.0), data_dir)
-    app, monitor = build_app(backend, sm, AppConfig(new_identities_per_minute=10_000), data_dir)
+    app_settings = {"new_identities_per_minute": 10_000, **(app or {})}
+    server_app, monitor = build_app(backend, sm, AppConfig(**app_settings), data_dir)  # type: ignore[arg-type]
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    config = uvicorn.Config(server_app, host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for(lambda: server.started, 30)
