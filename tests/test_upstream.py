@@ -369,6 +369,7 @@ def test_stats_metrics_admin_and_drain(up, replicas) -> None:  # noqa: ANN001
     assert "upstream: 2/2 replicas healthy" in totals(monitor, sm, 2000)
     prom = httpx.get(f"{url}/metrics").text
     assert f"crowdchat_generated_tokens_total {after.generated_tokens_total:.1f}" in prom
+    assert 'crowdchat_served_tokens_total{kind="generated",owner="' in prom  # per user too
     assert "crowdchat_engine_up 1.0" in prom
     backend.drain(replicas[0].url)
     for r in replicas:
