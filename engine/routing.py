@@ -131,10 +131,12 @@ class Router:
             return any(r.healthy for r in self.replicas)
 
     def _down(self, replica: Replica, error: str) -> None:
+        """Mark it down; `last_error` keeps what took it down, not the checks that followed."""
         if replica.healthy:
             log.warning("replica %s marked down: %s", replica.url, error)
             replica.down_since = time.monotonic()
-        replica.healthy, replica.last_error = False, f"{time.strftime('%H:%M:%S')} {error}"
+            replica.last_error = f"{time.strftime('%H:%M:%S')} {error}"
+        replica.healthy = False
 
 
 async def probe(client: httpx.AsyncClient, router: Router, replica: Replica) -> None:

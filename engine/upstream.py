@@ -24,10 +24,11 @@ from engine.config import EngineConfig
 from engine.errors import EngineStopped, ModelLoadError, ServerBusy
 from engine.handle import RequestHandle
 from engine.loader import local_tokenizer
-from engine.metrics import EngineStats, Metrics, stream_stats
+from engine.metrics import SERVED_TOP, EngineStats, Metrics, stream_stats
 from engine.resident import KVExport
 from engine.routing import Router, probe
 from engine.sequence import FinishReason, SamplingParams, check_prompt
+from engine.served import ServedTokens
 from engine.upstream_stream import Outcome, completion_body, stream_turn
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class UpstreamBackend:
         self.router = Router(config.urls())
         self.tokenizer, self._model_id, context, self.vocab_size = local or local_tokenizer(config)
         self.metrics = Metrics()
+        self.served = ServedTokens()  # per user, for /metrics and the admin page
         self._lock = threading.Lock()  # guards _pending and _stopping
         self._pending = 0  # requests in flight: --max-num-seqs + --max-queue caps them
         self._stopping = False
@@ -141,7 +143,8 @@ class UpstreamBackend:
         seq_id = next(self._ids)
         handle = RequestHandle(seq_id, len(ids), self._cancel)
         key = owner or user or f"request-{seq_id}"
-        fut = asyncio.run_coroutine_threadsafe(self._serve(handle, ids, params, key), self._loop)
+        serve = self._serve(handle, ids, params, key, user or owner or "")
+        fut = asyncio.run_coroutine_threadsafe(serve, self._loop)
         self._futures[seq_id] = fut
         fut.add_done_callback(lambda _f: self._futures.pop(seq_id, None))
         return handle
@@ -155,6 +158,7 @@ class UpstreamBackend:
             alive=self.alive,
             failure=self.failure,
             replicas=self.router.stats(),
+            served=tuple(self.served.top(SERVED_TOP)),
         )
 
     def queue_position(self, handle: RequestHandle) -> int | None:
@@ -242,7 +246,7 @@ class UpstreamBackend:
             await asyncio.sleep(self.config.health_interval_s)
 
     async def _serve(
-        self, handle: RequestHandle, ids: list[int], params: SamplingParams, key: str
+        self, handle: RequestHandle, ids: list[int], params: SamplingParams, key: str, user: str
     ) -> None:
         """Run the turn on its replica; before any token streamed, a failed replica is
         marked down and the next one (by the same hash) gets the turn."""
@@ -278,6 +282,8 @@ class UpstreamBackend:
         finally:
             with self._lock:
                 self._pending -= 1
+            computed = handle.num_prompt_tokens - handle.num_cached_tokens if handle.admitted else 0
+            self.served.add(user, computed, handle.num_generated_tokens)
             with self.metrics.lock:
                 if handle.finish_reason is FinishReason.ERROR:
                     self.metrics.failed += 1

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from engine.errors import CrowdchatError, InvalidRequest, PromptTooLong
+from engine.errors import CrowdchatError, InvalidRequest, PromptTooLong, ServerBusy
 from engine.handle import RequestHandle
 from engine.metrics import Metrics
 from engine.routing import Replica, Router
@@ -102,12 +102,13 @@ async def stream_turn(
             async with client.stream("POST", f"{replica.url}/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
                     message = upstream_message(await resp.aread())
-                    if resp.status_code >= 500 or resp.status_code in (404, 408):
+                    if resp.status_code >= 500 or resp.status_code == 408:
                         router.done(replica, False, f"HTTP {resp.status_code}: {message}")
                         return Outcome.RETRY
                     router.done(replica, True)
                     kind = rejection(resp.status_code, message)
                     if resp.status_code == 429:
+                        kind = ServerBusy
                         message = f"the model server is busy ({message}); try again in a moment"
                     handle._finish(FinishReason.ERROR, message, kind)
                     return Outcome.DONE

@@ -2,10 +2,10 @@
 streaming `/v1/completions` with token-id prompts, `/v1/models`, `/health`, `/metrics`.
 
 Each reply says which replica served it (`[name]` first) and every request body is kept in
-`requests`, so tests see routing and the exact prompt ids. Faults: `fault = "500"` (HTTP 500),
-`"400"` (vLLM's context-length error), `"die"` (the connection drops after `die_after`
-chunks, then the replica is "unhealthy"), `"unhealthy"` (/health and completions answer
-503); `delay` slows every chunk.
+`requests`, so tests see routing and the exact prompt ids. Faults: `fault = "500"` or
+`"429"` (that status), `"400"` (vLLM's context-length error), `"die"` (the connection
+drops after `die_after` chunks, then the replica is "unhealthy"), `"unhealthy"` (/health
+and completions answer 503); `delay` slows every chunk.
 """
 
 from __future__ import annotations
@@ -106,8 +106,9 @@ class FakeReplica:
         self.requests.append(body)
         if self.fault == "unhealthy":
             return Response(status_code=503)
-        if self.fault == "500":
-            return JSONResponse({"error": {"message": "boom", "code": 500}}, status_code=500)
+        if self.fault in ("500", "429"):
+            status = int(self.fault)
+            return JSONResponse({"error": {"message": "boom", "code": status}}, status_code=status)
         prompt = body["prompt"]
         if self.fault == "400" or len(prompt) + body["max_tokens"] > self.max_model_len:
             message = (
