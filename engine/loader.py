@@ -143,7 +143,12 @@ def convert_gguf(gguf: Path, data_dir: Path) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "crowdchat-source.json").write_text(json.dumps({"gguf": str(gguf)}))
-        tmp.rename(target)
+        try:
+            tmp.rename(target)
+        except OSError:
+            # another process converted the same file meanwhile: its complete copy serves
+            if not (target / "config.json").is_file():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

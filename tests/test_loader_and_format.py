@@ -190,3 +190,18 @@ def test_a_changed_rope_theta_in_config_json_changes_the_fingerprint(
     rope["rope_theta"] = rope["rope_theta"] * 2
     (copy / "config.json").write_text(json.dumps(config))
     assert load_fingerprint(copy, tmp_path) != load_fingerprint(tiny_model, tmp_path)
+
+
+def test_two_processes_converting_the_same_gguf_at_once_both_get_the_copy(tmp_path: Path) -> None:
+    """The loser of the final rename finds the winner's complete copy instead of failing
+    ("Directory not empty"), as when a test's vLLM and crowdchat prepare one data dir."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.loader import convert_gguf
+
+    gguf = embedded_gguf()
+    (tmp_path / "models").mkdir()
+    with ThreadPoolExecutor(2) as pool:
+        dirs = list(pool.map(lambda _: convert_gguf(gguf, tmp_path), range(2)))
+    assert dirs[0] == dirs[1] and (dirs[0] / "config.json").is_file()
+    assert not list((tmp_path / "models").glob(".convert-*"))  # no half copy left behind
