@@ -113,7 +113,12 @@ def long_conversation(sm: SessionManager, turns: int, context: int) -> dict:
         turn.result()
         prefilled.append(turn.num_prefilled_tokens)
     session = sm.get_session("long", sid)
-    whole = sm.prompts.encode(conversation(session, sm.messages("long", sid)))
+    # the whole transcript, untruncated (encode would refuse it: it is over the context)
+    whole = [
+        t
+        for piece in sm.prompts.pieces(conversation(session, sm.messages("long", sid)))
+        for t in piece
+    ]
     return {
         "turns": turns,
         "context_tokens": context,
