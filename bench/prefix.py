@@ -157,11 +157,14 @@ def main() -> None:
         warm = sm.create_session("warm", system_prompt="Be brief.")["id"]
         sm.chat("warm", warm, "Hi", FIRST).result()  # first-call costs, nothing shared
         sm.delete_session("warm", warm)
-        parts = [shared_prefix(engine, sm, args.users)]
-        parts.append(regenerate(engine, sm, loaded, args.regenerate_tokens))
+        runs = [
+            lambda: shared_prefix(engine, sm, args.users),
+            lambda: regenerate(engine, sm, loaded, args.regenerate_tokens),
+        ]
         if args.long_turns:
-            parts.append(long_conversation(sm, args.long_turns, engine.max_model_len))
-        for part in parts:
+            runs.append(lambda: long_conversation(sm, args.long_turns, engine.max_model_len))
+        for run in runs:  # each part printed as soon as it is measured
+            part = run()
             print(json.dumps(part), flush=True)
             summary.update({k: v for k, v in part.items() if k.endswith("_ratio")})
             summary.update({k: v for k, v in part.items() if k.endswith("_fraction")})
