@@ -67,9 +67,11 @@ class SessionManager:
     def create_session(self, owner: str, title: str = "", system_prompt: str = "") -> dict:
         """A new empty conversation for `owner` with a random 128-bit id (RateLimited at the
         per-user cap on conversations, or while the owner creates too many at once; ServerBusy
-        while everyone together does: the writes queue on the one SQLite writer)."""
+        while everyone together does: the writes queue on the one SQLite writer). The system
+        prompt is kept without surrounding whitespace, as shared prompts are, so one pasted
+        with a trailing newline still matches its shared twin."""
         system_prompt = (
-            clean_text(system_prompt, self.config.max_message_chars)
+            clean_text(system_prompt, self.config.max_message_chars).strip()
             if system_prompt.strip()
             else ""
         )
@@ -106,7 +108,7 @@ class SessionManager:
         unchanged one costs no write)."""
         session = self.get_session(owner, sid)
         text = (
-            clean_text(system_prompt, self.config.max_message_chars)
+            clean_text(system_prompt, self.config.max_message_chars).strip()
             if system_prompt.strip()
             else ""
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import gradio as gr
 
 from engine import CrowdchatError
-from ui.chat_page import ChatPage, Screen
+from ui.chat_page import ChatPage, Screen, to_chatbot
 
 SNIPPET = 40
 
@@ -73,7 +73,4 @@ class BranchBar:
             screen.focus = self.sm.switch_branch(owner, sid, screen.focus, step)
         except CrowdchatError as e:
             status = f"Error: {e}"
-        history = [
-            {"role": m["role"], "content": m["content"]} for m in self.sm.messages(owner, sid)
-        ]
-        return history, status, *self.render(sid, screen, request)
+        return to_chatbot(self.sm.messages(owner, sid)), status, *self.render(sid, screen, request)
