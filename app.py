@@ -24,7 +24,7 @@ from doors.config import AppConfig
 from doors.identity import Resolver, identity_of
 from doors.middleware import Doors
 from doors.throttle import LoginThrottle
-from engine import CrowdchatError, Engine, EngineConfig
+from engine import Backend, CrowdchatError, EngineConfig, open_backend
 from sessions import SessionConfig, SessionManager
 from sessions.api_keys import ApiKeys
 from ui.admin_page import build_admin_blocks
@@ -58,7 +58,7 @@ def _admin_user(request: Request) -> str | None:
 
 
 def build_app(
-    engine: Engine, sessions: SessionManager, config: AppConfig, data_dir: Path
+    engine: Backend, sessions: SessionManager, config: AppConfig, data_dir: Path
 ) -> tuple[FastAPI, Monitor]:
     """One FastAPI server: API and metrics routes, /admin and the chat page at /, all behind
     the Doors middleware (`app.state.doors`: its parts, for tests and operators)."""
@@ -68,7 +68,7 @@ def build_app(
     resolver = Resolver(users, keys, config.api_keys_file)
     throttle = LoginThrottle(config.login_failures_per_name, config.login_failures_per_address)
     browser_ids = BrowserIds(secret_file(data_dir / "cookie.key"), config.new_identities_per_minute)
-    app.include_router(build_router(engine, sessions, engine.loaded.model_id))
+    app.include_router(build_router(engine, sessions, engine.model_id))
     app.include_router(build_metrics_router(engine, sessions))
     monitor = Monitor(engine, sessions)
     css = [STATIC / "crowdchat.css"]
@@ -112,10 +112,10 @@ def build_app(
         move_sessions=sessions.store.reassign_owner,
     )
     section = KeysSection(keys, page) if users is not None else None
-    chat = build_chat_blocks(page, concurrency=engine.config.max_num_seqs, keys=section)
+    chat = build_chat_blocks(page, concurrency=engine.max_num_seqs, keys=section)
     chat.queue(
-        default_concurrency_limit=engine.config.max_num_seqs,
-        max_size=engine.config.max_queue + engine.config.max_num_seqs,
+        default_concurrency_limit=engine.max_num_seqs,
+        max_size=engine.max_queue + engine.max_num_seqs,
     )
     app = gr.mount_gradio_app(
         app,
@@ -162,12 +162,13 @@ def main(argv: list[str] | None = None) -> None:
         engine_config = EngineConfig.from_namespace(args)
         session_config = SessionConfig.from_namespace(args)
         app_config = AppConfig.from_namespace(args)
-        engine = Engine(engine_config)
+        engine = open_backend(engine_config)
     except CrowdchatError as e:
         sys.exit(f"crowdchat: {e}")
     s = engine.stats()
     log.info(
-        "model %.1f MB; KV pool %.1f MB = %d blocks x %d tokens (%d tokens, %d bytes/token)",
+        "%s: model %.1f MB; KV pool %.1f MB = %d blocks x %d tokens (%d tokens, %d bytes/token)",
+        engine.device_type,
         s.model_bytes / 2**20,
         s.kv_bytes / 2**20,
         s.blocks_total,

@@ -16,7 +16,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from engine import Engine
+from engine import Backend
 from engine.metrics import Histogram
 from sessions import SessionManager, SessionState
 
@@ -62,7 +62,7 @@ class CrowdchatCollector(Collector):
     """Reads the engine's stats and histograms and the sessions' states on every scrape, so
     the numbers are never a second copy that could drift from the engine's own."""
 
-    def __init__(self, engine: Engine, sessions: SessionManager) -> None:
+    def __init__(self, engine: Backend, sessions: SessionManager) -> None:
         self.engine = engine
         self.sessions = sessions
 
@@ -164,7 +164,7 @@ class CrowdchatCollector(Collector):
         )
 
 
-def health_problems(engine: Engine, sessions: SessionManager) -> list[str]:
+def health_problems(engine: Backend, sessions: SessionManager) -> list[str]:
     """What an operator must know is broken (empty when all is well)."""
     problems = []
     s = engine.stats()
@@ -178,7 +178,7 @@ def health_problems(engine: Engine, sessions: SessionManager) -> list[str]:
     return problems
 
 
-def build_metrics_router(engine: Engine, sessions: SessionManager) -> APIRouter:
+def build_metrics_router(engine: Backend, sessions: SessionManager) -> APIRouter:
     """GET /metrics in Prometheus text format, from a registry private to this router."""
     registry = CollectorRegistry()
     registry.register(CrowdchatCollector(engine, sessions))

@@ -16,7 +16,7 @@ from api.chat_request import ChatRequest, parse_chat_request, parse_json_object,
 from api.errors import ApiError, error_body, error_response
 from api.streaming import DeltaStream
 from doors.identity import bearer, identity_of, token_owner
-from engine import Engine
+from engine import Backend
 from sessions import Reply, SessionManager
 from sessions.relay import Delta, End, Event, Failed
 from sessions.reply import kv_source
@@ -59,7 +59,7 @@ async def _next_or_gone(stream: DeltaStream, request: Request) -> Event | None:
                 return None
 
 
-def build_router(engine: Engine, sessions: SessionManager, model_name: str) -> APIRouter:
+def build_router(engine: Backend, sessions: SessionManager, model_name: str) -> APIRouter:
     """The /v1 routes over a running engine and session manager."""
     router = APIRouter()
     started = int(time.time())

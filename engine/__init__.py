@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.backend import Backend, open_backend
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import (
@@ -20,6 +21,7 @@ from engine.sequence import FinishReason, SamplingParams
 
 # What the rest of crowdchat may use; everything else in engine/ is the engine's own.
 __all__ = [
+    "Backend",
     "CrowdchatError",
     "Engine",
     "EngineConfig",
@@ -35,4 +37,5 @@ __all__ = [
     "SamplingParams",
     "ServerBusy",
     "StepRunner",
+    "open_backend",
 ]

@@ -71,6 +71,24 @@ class EngineConfig(Settings):
         "quantized weights (faster for big batches, more RAM); 0: packed weights only",
     )
 
+    engine_url: str | None = setting(
+        None,
+        "drive OpenAI-compatible servers (vLLM, llama-server) instead of loading the model "
+        "here: one URL or several, comma-separated; each session sticks to one replica",
+    )
+    upstream_first_token_s: float = setting(
+        120.0, "with --engine-url: a turn fails if its first token takes longer than this"
+    )
+    upstream_idle_s: float = setting(
+        60.0, "with --engine-url: a turn fails if its stream is silent longer than this"
+    )
+    health_interval_s: float = setting(
+        2.0, "with --engine-url: seconds between health checks", cli=False
+    )
+    upstream_wait_s: float = setting(
+        60.0, "with --engine-url: how long start-up waits for a replica to answer", cli=False
+    )
+
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
             if not cond:
@@ -93,4 +111,16 @@ class EngineConfig(Settings):
         need(self.schedule in SCHEDULE_CHOICES, f"--schedule must be one of {SCHEDULE_CHOICES}")
         need(self.threads is None or self.threads >= 1, "--threads must be >= 1")
         need(self.cpu_dense_above >= 0, "--cpu-dense-above must be >= 0")
+        need(self.upstream_first_token_s > 0, "--upstream-first-token-s must be > 0")
+        need(self.upstream_idle_s > 0, "--upstream-idle-s must be > 0")
+        need(
+            self.engine_url is None
+            or bool(self.urls())
+            and all(u.strip().startswith(("http://", "https://")) for u in self.urls()),
+            "--engine-url takes http(s):// URLs, comma-separated",
+        )
         object.__setattr__(self, "data_dir", Path(self.data_dir))
+
+    def urls(self) -> list[str]:
+        """The --engine-url replicas (empty: the built-in engine)."""
+        return [u.strip() for u in (self.engine_url or "").split(",") if u.strip()]

@@ -18,7 +18,7 @@ from engine.block_pool import BlockPool
 from engine.budget import TokenBudget
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import EngineStopped, ServerBusy
+from engine.errors import EngineStopped, InvalidRequest, ServerBusy
 from engine.fair_share import make_policy
 from engine.handle import RequestHandle
 from engine.kv_cache import KVCache, bytes_per_token, pool_blocks
@@ -154,6 +154,37 @@ class Engine:
         for h in handles:
             h.result()
         return [h.token_ids for h in handles]
+
+    # -- facts the session layer, API and pages read (the `Backend` protocol) -------------
+    keeps_kv = True  # sessions' KV lives in this pool: export, import, drop, snapshots
+
+    @property
+    def model_id(self) -> str:
+        return self.loaded.model_id
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    @property
+    def max_queue(self) -> int:
+        return self.config.max_queue
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def kv_fingerprint(self) -> dict[str, str | int]:
+        return self.loaded.fingerprint(self.config.block_size)
+
+    @property
+    def device_type(self) -> str:
+        return self.loaded.device.type
+
+    def drain(self, replica: str, draining: bool = True) -> None:
+        """The built-in engine has no replicas to drain."""
+        raise InvalidRequest("this server runs its own engine: it has no replicas to drain")
 
     @property
     def num_waiting(self) -> int:

@@ -19,6 +19,7 @@ class RequestFailed(CrowdchatError):
 class _Finished:
     reason: FinishReason
     error: str | None
+    kind: type[CrowdchatError] = RequestFailed
 
 
 class RequestHandle:
@@ -43,12 +44,19 @@ class RequestHandle:
         if delta:
             self._events.put(delta)
 
-    def _finish(self, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(
+        self,
+        reason: FinishReason,
+        error: str | None = None,
+        kind: type[CrowdchatError] = RequestFailed,
+    ) -> None:
+        """End the stream; an ERROR finish raises `kind(error)` to the reader (an upstream's
+        400 is an InvalidRequest, an unreachable one EngineStopped, like the engine's own)."""
         if self._done.is_set():
             return
         self.finish_reason, self.error = reason, error
         self._done.set()
-        self._events.put(_Finished(reason, error))
+        self._events.put(_Finished(reason, error, kind))
 
     # -- caller side ----------------------------------------------------------------------
     @property
@@ -70,7 +78,7 @@ class RequestHandle:
             event = self._events.get()
             if isinstance(event, _Finished):
                 if event.reason is FinishReason.ERROR:
-                    raise RequestFailed(event.error or "request failed")
+                    raise event.kind(event.error or "request failed")
                 return
             self.text += event
             yield event

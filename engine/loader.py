@@ -251,3 +251,22 @@ def _load_model(config: EngineConfig) -> LoadedModel:
         loaded.model_bytes / 2**20,
     )
     return loaded
+
+
+def local_tokenizer(config: EngineConfig) -> tuple[PreTrainedTokenizerBase, str, int, int]:
+    """(tokenizer, model id, context length, vocabulary size) of `--model`, read from its
+    directory without loading weights (the embedded GGUF is converted once, as vLLM needs)."""
+    if config.model is None or config.model.endswith(".gguf"):
+        directory, model_id, _ = resolve_checkpoint(config)
+    else:
+        directory = Path(config.model).expanduser()
+        model_id = directory.name
+        if not (directory / "config.json").is_file():
+            raise ModelLoadError(f"model directory has no config.json: {directory}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        mc = json.loads((directory / "config.json").read_text())
+    except Exception as e:  # noqa: BLE001 - a one-line error naming the path
+        raise ModelLoadError(f"cannot read the tokenizer of {directory}: {e}") from e
+    vocab = max(int(mc.get("vocab_size") or 0), len(tokenizer))
+    return tokenizer, model_id, int(mc.get("max_position_embeddings") or 2048), vocab

@@ -47,6 +47,20 @@ class Histogram:
 
 
 @dataclass(frozen=True)
+class ReplicaStats:
+    """One upstream replica as the admin page and /metrics show it."""
+
+    url: str
+    healthy: bool
+    draining: bool
+    served: int  # turns it answered (to the end or not)
+    failures: int  # turns it failed (refused, 5xx, died mid-stream)
+    in_flight: int
+    last_error: str | None
+    upstream: dict[str, float]  # what its /metrics said (vLLM names, without "vllm:")
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A consistent snapshot of the engine, safe to read from any thread."""
 
@@ -87,6 +101,7 @@ class EngineStats:
     served: tuple[tuple[str, int, int], ...] = ()
     alive: bool = True  # False once the engine thread has died or was shut down
     failure: str | None = None  # why the engine thread died
+    replicas: tuple[ReplicaStats, ...] = ()  # upstream backends only: one row per replica
 
 
 def percentile(samples: deque[float], q: float) -> float | None:
@@ -141,6 +156,14 @@ class Metrics:
             while self.token_times and self.token_times[0][0] < now - WINDOW_S:
                 self.token_times.popleft()
 
+    def record_tokens(self, now: float, new_tokens: int) -> None:
+        """Tokens that arrived outside a step (an upstream's stream)."""
+        with self.lock:
+            self.generated_tokens += new_tokens
+            self.token_times.append((now, new_tokens))
+            while self.token_times and self.token_times[0][0] < now - WINDOW_S:
+                self.token_times.popleft()
+
     def tokens_per_s(self, now: float) -> float:
         recent = [n for t, n in self.token_times if t >= now - WINDOW_S]
         if not recent:
@@ -191,4 +214,46 @@ def engine_stats(engine: Engine) -> EngineStats:
             served=tuple(engine.scheduler.policy.served_top(SERVED_TOP)),
             alive=engine.alive,
             failure=engine.failure,
+        )
+
+
+# EngineStats fields without meaning for an upstream backend (its pool is vLLM's: `replicas`)
+NO_POOL = (
+    "waiting",
+    "blocks_total",
+    "blocks_used",
+    "blocks_free",
+    "resident_owners",
+    "resident_blocks",
+    "kv_bytes",
+    "kv_bytes_per_token",
+    "model_bytes",
+    "token_budget",
+    "preemptions",
+    "resident_dropped",
+    "steps",
+    "max_batch_seen",
+)
+
+
+def stream_stats(m: Metrics, **facts: object) -> EngineStats:
+    """Stats of a backend without a pool of its own: latencies and counters from `m`, the
+    rest from `facts` (running, block_size, max_model_len, alive, failure, replicas)."""
+    now = time.monotonic()
+    with m.lock:
+        return EngineStats(  # type: ignore[arg-type]
+            **dict.fromkeys(NO_POOL, 0),
+            tokens_per_s=m.tokens_per_s(now),
+            prompt_tokens_total=m.prompt_tokens,
+            generated_tokens_total=m.generated_tokens,
+            ttft_p50_s=percentile(m.ttft, 50),
+            ttft_p95_s=percentile(m.ttft, 95),
+            itl_p50_s=percentile(m.itl, 50),
+            itl_p95_s=percentile(m.itl, 95),
+            step_ms_p50=None,
+            requests_finished=m.finished,
+            requests_failed=m.failed,
+            requests_rejected=m.rejected,
+            schedule="upstream",
+            **facts,
         )

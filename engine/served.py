@@ -44,6 +44,15 @@ class ServedTokens:
             if len(self.rows) > SERVED_CAP:
                 self._fold()
 
+    def add(self, user: str, prompt: int, generated: int) -> None:
+        """One request's tokens at once (a backend without steps: an upstream's reply)."""
+        with self._lock:
+            row = self._row(user)
+            row[0] += prompt
+            row[1] += generated
+            if len(self.rows) > SERVED_CAP:
+                self._fold()
+
     def top(self, n: int) -> list[tuple[str, int, int]]:
         """[(label, prompt tokens, generated tokens)] of the `n` users served most, then
         ("other", ...) for everyone else."""

@@ -9,7 +9,7 @@ import time
 from collections.abc import Container
 from dataclasses import dataclass, field
 
-from engine import Engine
+from engine import Backend
 from sessions.admission import Admission
 from sessions.residency import Residency
 from sessions.store import Store
@@ -55,13 +55,13 @@ class SessionStats:
 
 
 def session_facts(
-    engine: Engine, store: Store, active: Container[str], limit: int
+    engine: Backend, store: Store, active: Container[str], limit: int
 ) -> list[SessionFacts]:
     """The `limit` most recently active sessions with their state and memory."""
     resident = engine.resident_kv()
     rows = store.recent_sessions(limit)
     snaps = store.snapshot_bytes([row["id"] for row in rows])
-    per_block = engine.kv_bytes_per_token * engine.config.block_size
+    per_block = engine.kv_bytes_per_token * engine.block_size
     now = time.time()
     out = []
     for row in rows:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from sqlite_utils.db import NotFoundError
 
-from engine import Engine, InvalidRequest, SamplingParams
+from engine import Backend, InvalidRequest, SamplingParams
 from engine.chat_format import ChatFormatter
 from sessions.admin import SessionFacts, SessionStats, session_facts, session_stats
 from sessions.admission import Admission, Ticket, cost, prompt_to_compute
@@ -39,7 +39,7 @@ class SessionManager:
     """Create, list, rename and delete an owner's sessions; chat in them; answer one-off
     requests; and move idle sessions' KV to disk and back. Every call checks the owner."""
 
-    def __init__(self, engine: Engine, config: SessionConfig, data_dir: Path) -> None:
+    def __init__(self, engine: Backend, config: SessionConfig, data_dir: Path) -> None:
         self.engine = engine
         self.config = config
         data_dir.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 
-from engine import Engine, KVExport
+from engine import Backend, KVExport
 from sessions.persist_retry import PersistRetry, PersistStatus, RetryPolicy
 from sessions.snapshots import SnapshotFiles, token_hash
 from sessions.store import Store
@@ -36,7 +36,7 @@ class KVOffloader:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Backend,
         store: Store,
         files: SnapshotFiles,
         host_budget_bytes: int,
@@ -47,8 +47,8 @@ class KVOffloader:
         self.engine = engine
         self.store = store
         self.files = files
-        self.fingerprint = engine.loaded.fingerprint(engine.config.block_size)
-        self.pin = engine.loaded.device.type == "cuda"
+        self.fingerprint = engine.kv_fingerprint
+        self.pin = engine.device_type == "cuda"
         self.host_budget = host_budget_bytes if self.pin else 0
         self.disk_budget = disk_budget_bytes
         self.on_state = on_state  # (session id, new state): the manager records it

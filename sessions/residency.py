@@ -7,7 +7,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from engine import Engine
+from engine import Backend
 from sessions.config import SessionConfig
 from sessions.offload import KVOffloader
 from sessions.snapshots import SnapshotFiles
@@ -26,7 +26,7 @@ class Residency:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Backend,
         config: SessionConfig,
         store: Store,
         files: SnapshotFiles,
@@ -56,8 +56,11 @@ class Residency:
         self._sweeper.start()
 
     def restore(self, sid: str, had_kv: bool) -> str:
-        """Bring the session's KV back for its turn: 'resident', 'host', 'disk' or 'cold'.
-        A session that had KV and comes back cold is a recompute, counted here."""
+        """Bring the session's KV back for its turn: 'resident', 'host', 'disk' or 'cold'
+        ('upstream' when the backend keeps KV itself: nothing to move here). A session that
+        had KV and comes back cold is a recompute, counted here."""
+        if not self.engine.keeps_kv:  # the upstream's prefix cache has it, or recomputes it
+            return "upstream"
         source = self.offload.restore(sid)
         if source == "cold" and had_kv:
             self.recomputes += 1
@@ -65,12 +68,12 @@ class Residency:
 
     def prefetch(self, sid: str, state: str) -> None:
         """The user opened this conversation: bring its KV back while they type."""
-        if state == SessionState.PERSISTED and not self.is_busy(sid):
+        if state == SessionState.PERSISTED and self.engine.keeps_kv and not self.is_busy(sid):
             threading.Thread(target=self._prefetch, args=(sid,), daemon=True).start()
 
     def persist_now(self, sid: str) -> bool:
         """Admin: write the session's KV to disk and free its blocks now."""
-        if self.is_busy(sid):
+        if self.is_busy(sid) or not self.engine.keeps_kv:
             return False
         return self.offload.persist(sid, force=True)  # an explicit request: no backoff
 

@@ -280,3 +280,34 @@ def test_with_sign_in_the_page_signs_in_and_shows_the_api_keys_section(
         expect(page.locator("#new-key")).to_contain_text("cc-", timeout=20_000)
         expect(page.locator("#keys")).to_contain_text("from the browser", timeout=20_000)
         context.close()
+
+
+def test_admin_shows_upstream_replicas(browser: Browser, model_dir: Path, tmp_path: Path) -> None:
+    """With --engine-url the admin page lists the replicas with what their /metrics say."""
+    from engine import EngineConfig
+    from engine.loader import local_tokenizer
+    from tests.fake_upstream import FakeReplica
+    from tests.test_upstream import upstream_server
+
+    local = local_tokenizer(EngineConfig(data_dir=model_dir))
+    reps = [FakeReplica("r0").start(), FakeReplica("r1").start()]
+    app = {"admin_password": ADMIN_PASSWORD}
+    try:
+        with upstream_server(reps, tmp_path, local, app=app) as (url, backend, _sm, _m):
+            backend.drain(reps[1].url)
+            context = browser.new_context(viewport={"width": 1280, "height": 1000})
+            page = context.new_page()
+            page.goto(url + "/admin/")
+            page.get_by_label("username").fill("admin")
+            page.get_by_label("password").fill(ADMIN_PASSWORD)
+            page.get_by_role("button", name="Login").click()
+            table = page.locator("#replicas")
+            expect(table).to_contain_text(reps[0].url, timeout=20_000)
+            expect(table).to_contain_text("draining")
+            expect(table).to_contain_text("25")  # vllm:kv_cache_usage_perc 0.25
+            expect(page.locator("#totals")).to_contain_text("upstream: 2/2 replicas healthy")
+            page.screenshot(path=str(ARTIFACTS / "admin-upstream.png"), full_page=True)
+            context.close()
+    finally:
+        for r in reps:
+            r.stop()

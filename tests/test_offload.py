@@ -27,8 +27,8 @@ class FakeEngine:
     """The engine calls the offloader makes, on a dict of resident KV."""
 
     def __init__(self) -> None:
-        self.config = SimpleNamespace(block_size=16)
-        self.loaded = SimpleNamespace(device=torch.device("cpu"), fingerprint=lambda bs: FP)
+        self.kv_fingerprint = FP
+        self.device_type = "cpu"
         self.resident: dict[str, KVExport] = {}
         self.exports = 0
 

@@ -24,7 +24,7 @@ PARTS = (
 
 
 def memory_bar(monitor: Monitor) -> str:
-    """A stacked bar of device memory, with the figures under it."""
+    """A stacked bar of device memory, with the figures under it (upstream: this host's)."""
     m = memory(monitor.engine)
     segs, legend = [], []
     for key, label, color in PARTS:
@@ -51,6 +51,52 @@ def prefix_hit_rate(s: EngineStats) -> str:
     return f"{100 * s.prefix_cache_hits / s.prefix_cache_queries:.1f}%"
 
 
+def pool_lines(s: EngineStats, monitor: Monitor, length: float) -> list[str]:
+    """The KV pool's figures, or (upstream) where the KV lives instead."""
+    if s.replicas:
+        up = sum(r.healthy for r in s.replicas)
+        return [
+            f"**KV pool** upstream: {up}/{len(s.replicas)} replicas healthy; each keeps "
+            "sessions' KV in its own prefix cache (see the replicas table)"
+        ]
+    return [
+        f"**KV pool** {s.blocks_used}/{s.blocks_total} blocks of {s.block_size} tokens "
+        f"({s.kv_bytes / MB:,.0f} MB, {s.kv_bytes_per_token:,} bytes/token) · resident "
+        f"sessions {s.resident_owners}",
+        f"**Prefix cache** hit rate {prefix_hit_rate(s)} of {s.prefix_cache_queries:,} prompt "
+        f"tokens · **blocks shared** {s.blocks_shared} · cached, free {s.blocks_cached}",
+        f"**Capacity**: {monitor.fits(int(length))} conversations of {int(length)} tokens fit "
+        f"in the pool at once.",
+    ]
+
+
+def replicas_table(monitor: Monitor) -> pd.DataFrame:
+    """Upstream replicas: health, turns, and what each one's /metrics says (vLLM names)."""
+    columns = ["url", "state", "turns", "failed", "in flight", "KV cache %", "running"]
+    columns += ["waiting", "prefix hit %", "last error"]
+    rows = []
+    for r in monitor.engine.stats().replicas:
+        u = r.upstream
+        queries = u.get("prefix_cache_queries")
+        hits = u.get("prefix_cache_hits")
+        usage = u.get("kv_cache_usage_perc")
+        rows.append(
+            {
+                "url": r.url,
+                "state": "draining" if r.draining and r.healthy else "up" if r.healthy else "down",
+                "turns": r.served,
+                "failed": r.failures,
+                "in flight": r.in_flight,
+                "KV cache %": "–" if usage is None else round(100 * usage, 1),
+                "running": u.get("num_requests_running", "–"),
+                "waiting": u.get("num_requests_waiting", "–"),
+                "prefix hit %": round(100 * hits / queries, 1) if queries and hits else "–",
+                "last error": r.last_error or "",
+            }
+        )
+    return pd.DataFrame(rows, columns=columns)
+
+
 def totals(monitor: Monitor, sessions: SessionManager, length: float) -> str:
     s = monitor.engine.stats()
     st = sessions.stats()
@@ -58,11 +104,7 @@ def totals(monitor: Monitor, sessions: SessionManager, length: float) -> str:
         f"**Batch** {s.running} running · **queue** {s.waiting} ({s.schedule}) · **tokens/s** "
         f"{s.tokens_per_s:.1f} · **TTFT p50** {fmt(s.ttft_p50_s)} · **ITL p50** "
         f"{fmt(s.itl_p50_s)} p95 {fmt(s.itl_p95_s)}",
-        f"**KV pool** {s.blocks_used}/{s.blocks_total} blocks of {s.block_size} tokens "
-        f"({s.kv_bytes / MB:,.0f} MB, {s.kv_bytes_per_token:,} bytes/token) · resident "
-        f"sessions {s.resident_owners}",
-        f"**Prefix cache** hit rate {prefix_hit_rate(s)} of {s.prefix_cache_queries:,} prompt "
-        f"tokens · **blocks shared** {s.blocks_shared} · cached, free {s.blocks_cached}",
+        *pool_lines(s, monitor, length),
         f"**Snapshots on disk** {st.snapshots} · {st.snapshot_bytes / MB:,.1f} MB "
         f"of {st.disk_budget_bytes / MB:,.0f} MB budget · host tier {st.host_bytes / MB:,.1f} MB",
         f"**Restores** disk {st.restores['disk']} · host {st.restores['host']} · "
@@ -72,8 +114,6 @@ def totals(monitor: Monitor, sessions: SessionManager, length: float) -> str:
         f"{s.requests_failed}",
         "**Refused by per-user limits** "
         + (" · ".join(f"{k} {v}" for k, v in sorted(st.refused_by.items()) if v) or "none"),
-        f"**Capacity**: {monitor.fits(int(length))} conversations of {int(length)} tokens fit "
-        f"in the pool at once.",
     ]
     warns = monitor.warnings()
     if warns:
@@ -205,10 +245,19 @@ def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
             *(series(monitor, cols) for cols in plots.values()),
             sessions_table(sessions),
             served_table(monitor),
+            replicas_table(monitor),
         )
 
     def act(action: str, prefix: str) -> str:
         prefix = (prefix or "").strip()
+        if action in ("drain", "undrain"):
+            try:
+                monitor.engine.drain(prefix, draining=action == "drain")
+            except CrowdchatError as e:
+                return str(e)
+            return f"{action}ed {prefix}: new turns " + (
+                "go to the other replicas" if action == "drain" else "may go there again"
+            )
         matches = sessions.find_sessions(prefix)
         if len(matches) != 1:
             return f"No single session starts with {prefix!r}."
@@ -261,12 +310,25 @@ def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
             persist_btn = gr.Button("Persist to disk now", size="sm")
             drop_btn = gr.Button("Drop KV", size="sm")
             delete_btn = gr.Button("Delete session", size="sm", variant="stop")
+        upstream = bool(monitor.engine.stats().replicas)
+        replicas = gr.Dataframe(
+            label="Upstream replicas (vLLM's /metrics per replica)",
+            interactive=False,
+            elem_id="replicas",
+            visible=upstream,
+        )
+        with gr.Row(visible=upstream):
+            replica = gr.Textbox(label="Replica URL", scale=3)
+            drain_btn = gr.Button("Drain (move new turns off)", size="sm")
+            undrain_btn = gr.Button("Undrain", size="sm")
         result = gr.Markdown()
         build_shared_prompts(sessions)
-        outputs = [mem, summary, *lines, table, served]
+        outputs = [mem, summary, *lines, table, served, replicas]
         timer = gr.Timer(REFRESH_S)
         timer.tick(refresh, [length], outputs, show_progress="hidden", concurrency_limit=None)
         demo.load(refresh, [length], outputs, concurrency_limit=None)
         for btn, action in ((persist_btn, "persist"), (drop_btn, "drop"), (delete_btn, "delete")):
             btn.click(lambda p, a=action: act(a, p), [target], [result], concurrency_limit=None)
+        for btn, action in ((drain_btn, "drain"), (undrain_btn, "undrain")):
+            btn.click(lambda p, a=action: act(a, p), [replica], [result], concurrency_limit=None)
     return demo

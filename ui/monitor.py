@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from engine import Engine
+from engine import Backend
 from sessions import SessionManager
 
 HISTORY_S = 600  # ten minutes of time series
@@ -31,14 +31,14 @@ class Memory:
     detail: dict[str, int]
 
 
-def memory(engine: Engine) -> Memory:
+def memory(engine: Backend) -> Memory:
     """VRAM from torch on CUDA; RAM from psutil on CPU."""
     s = engine.stats()
     block_bytes = s.kv_bytes_per_token * s.block_size
     kv_used = s.blocks_used * block_bytes
     kv_free = s.kv_bytes - kv_used
-    dev = engine.loaded.device
-    if dev.type == "cuda":
+    if engine.device_type == "cuda":
+        dev = torch.device("cuda")
         free, total = torch.cuda.mem_get_info(dev)
         detail = {
             "allocated": torch.cuda.memory_allocated(dev),
@@ -59,7 +59,7 @@ def memory(engine: Engine) -> Memory:
     rss = psutil.Process().memory_info().rss
     other = max(vm.total - vm.available - s.model_bytes - s.kv_bytes, 0)
     return Memory(
-        "cpu (RAM)",
+        "cpu (RAM)" if engine.device_type == "cpu" else "this host (RAM; the model runs upstream)",
         vm.total,
         s.model_bytes,
         kv_used,
@@ -73,7 +73,7 @@ def memory(engine: Engine) -> Memory:
 class Monitor:
     """Samples the engine every couple of seconds so every admin view shares one history."""
 
-    def __init__(self, engine: Engine, sessions: SessionManager) -> None:
+    def __init__(self, engine: Backend, sessions: SessionManager) -> None:
         self.engine = engine
         self.sessions = sessions
         self.samples: deque[dict[str, float]] = deque(maxlen=int(HISTORY_S / SAMPLE_S))
@@ -89,7 +89,7 @@ class Monitor:
             "queue": s.waiting,
             "tokens_per_s": round(s.tokens_per_s, 1),
             "kv_blocks_used": s.blocks_used,
-            "kv_used_frac": s.blocks_used / s.blocks_total,
+            "kv_used_frac": s.blocks_used / max(s.blocks_total, 1),
             "ttft_p50_s": s.ttft_p50_s or 0.0,
         }
         self.samples.append(row)

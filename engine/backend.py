@@ -1,0 +1,103 @@
+"""The engine seam: everything sessions/, api/, ui/ and app.py use of an engine, as one protocol.
+
+Two backends implement it: the built-in `Engine` (the model in this process) and
+`UpstreamBackend` (vLLM or another OpenAI-compatible server per replica). Callers branch on
+what the protocol says (`keeps_kv`, `stats().replicas`), never on which backend it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.config import EngineConfig
+from engine.handle import RequestHandle
+from engine.metrics import EngineStats, Metrics
+from engine.resident import KVExport
+from engine.sequence import SamplingParams
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the rest of crowdchat may ask of an engine.
+
+    Facts: `tokenizer` (its chat template builds every prompt), `max_model_len`, `model_id`
+    (the name /v1/models shows), `max_num_seqs` and `max_queue` (the page's concurrency and
+    queue), `block_size` and `kv_bytes_per_token` (the admin page's memory figures),
+    `kv_fingerprint` and `device_type` (what snapshots must match, whether host copies are
+    pinned), `metrics` (latency histograms for /metrics).
+
+    `keeps_kv`: whether this backend holds sessions' KV where crowdchat can export, import
+    and drop it. Without it (an upstream server keeps KV in its own prefix cache) the KV calls
+    are no-ops (`resident_kv` empty, `export_kv` None, `import_kv` False) and the session layer
+    takes no snapshots: the conversation in SQLite is the truth and is sent whole every turn.
+    """
+
+    tokenizer: PreTrainedTokenizerBase
+    max_model_len: int
+    kv_bytes_per_token: int
+    metrics: Metrics
+
+    @property
+    def model_id(self) -> str: ...
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_queue(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def keeps_kv(self) -> bool: ...
+    @property
+    def kv_fingerprint(self) -> dict[str, str | int]: ...
+    @property
+    def device_type(self) -> str: ...
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def failure(self) -> str | None: ...
+
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        owner: str | None = None,
+        retain: bool = False,
+        cache_ns: str | None = None,
+        shareable_prefix: int = 0,
+        user: str | None = None,
+    ) -> RequestHandle:
+        """Start a request; stream its text deltas from the handle (cancel() stops it).
+        `owner` (a session id) also picks where it runs; `user` is whose share it costs."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+    def queue_position(self, handle: RequestHandle) -> int | None: ...
+    def wait_estimate(self, ahead: int) -> float | None: ...
+    def set_memory_pressure_hook(self, hook: Callable[[int, str | None], None] | None) -> None: ...
+    def resident_kv(self) -> dict[str, tuple[int, int, float]]: ...
+    def export_kv(self, owner: str) -> KVExport | None: ...
+    def import_kv(
+        self, owner: str, kv: KVExport, cache_ns: str | None = None, shareable_prefix: int = 0
+    ) -> bool: ...
+    def drop_kv(self, owner: str) -> bool: ...
+
+    def drain(self, replica: str, draining: bool = True) -> None:
+        """Move new turns off a replica (its url) or back on; InvalidRequest where there
+        are no replicas (the built-in engine) or no such replica."""
+        ...
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...
+
+
+def open_backend(config: EngineConfig) -> Backend:
+    """The upstream backend with --engine-url, else the built-in engine (loads the model)."""
+    if config.urls():
+        from engine.upstream import UpstreamBackend
+
+        return UpstreamBackend(config)
+    from engine.engine import Engine
+
+    return Engine(config)

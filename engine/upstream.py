@@ -1,0 +1,291 @@
+"""The upstream backend: the same `Backend` protocol over vLLM (or any OpenAI-compatible server
+that takes token-id prompts), one replica per URL. No model weights in this process.
+
+One asyncio loop on one thread runs every request, every health check and one shared
+`httpx.AsyncClient`: no thread per request or per token. Each turn sends the exact prompt ids
+crowdchat built (its chat template, its truncation) to `/v1/completions` with `stream: true`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import httpx
+from transformers import PreTrainedTokenizerBase
+
+from engine.config import EngineConfig
+from engine.errors import EngineStopped, ModelLoadError, ServerBusy
+from engine.handle import RequestHandle
+from engine.loader import local_tokenizer
+from engine.metrics import SERVED_TOP, EngineStats, Metrics, stream_stats
+from engine.resident import KVExport
+from engine.routing import Router, probe
+from engine.sequence import FinishReason, SamplingParams, check_prompt
+from engine.served import ServedTokens
+from engine.upstream_stream import Outcome, completion_body, stream_turn
+
+log = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request and health check
+T = TypeVar("T")
+
+
+class UpstreamBackend:
+    """crowdchat's sessions, pages and API over remote engines. Thread-safe like `Engine`."""
+
+    keeps_kv = False  # the upstream's prefix cache (and KV offloading) keeps sessions' KV
+    kv_bytes_per_token = 0
+    device_type = "upstream"
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        local: tuple[PreTrainedTokenizerBase, str, int, int] | None = None,
+    ) -> None:
+        self.config = config
+        self.router = Router(config.urls())
+        self.tokenizer, self._model_id, context, self.vocab_size = local or local_tokenizer(config)
+        self.metrics = Metrics()
+        self.served = ServedTokens()  # per user, for /metrics and the admin page
+        self._lock = threading.Lock()  # guards _pending and _stopping
+        self._pending = 0  # requests in flight: --max-num-seqs + --max-queue caps them
+        self._stopping = False
+        self._ids = itertools.count()
+        self._futures: dict[int, Future] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="crowdchat-upstream", daemon=True
+        )
+        self._thread.start()
+        self._client: httpx.AsyncClient = self._call(self._make_client())
+        try:
+            self.upstream_model, upstream_len = self._call(self._discover())
+        except BaseException:
+            self._call(self._client.aclose())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
+        self.max_model_len = min(config.max_model_len or context, upstream_len or context)
+        self._health = asyncio.run_coroutine_threadsafe(self._health_loop(), self._loop)
+        log.info(
+            "upstream: %s serving %r (context %d) at %s",
+            self._model_id,
+            self.upstream_model,
+            self.max_model_len,
+            ", ".join(r.url for r in self.router.replicas),
+        )
+
+    # -- facts ----------------------------------------------------------------------------
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    @property
+    def max_queue(self) -> int:
+        return self.config.max_queue
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def kv_fingerprint(self) -> dict[str, str | int]:
+        return {"model_id": self._model_id, "device": "upstream"}
+
+    @property
+    def alive(self) -> bool:
+        """False once shut down, or while no replica is healthy."""
+        return self.failure is None
+
+    @property
+    def failure(self) -> str | None:
+        if self._stopping or not self._thread.is_alive():
+            return "the server is shutting down"
+        if not self.router.any_healthy():
+            return f"no model server is reachable ({len(self.router.replicas)} replicas down)"
+        return None
+
+    # -- requests -------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        owner: str | None = None,
+        retain: bool = False,
+        cache_ns: str | None = None,
+        shareable_prefix: int = 0,
+        user: str | None = None,
+    ) -> RequestHandle:
+        """Send the request to the replica its owner (session) or user hashes to. `retain`,
+        `cache_ns` and `shareable_prefix` are the upstream prefix cache's business."""
+        params = params or SamplingParams()
+        ids = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+        with self._lock:
+            if self._stopping:
+                raise EngineStopped("the server is shutting down")
+            if self._pending >= self.config.max_num_seqs + self.config.max_queue:
+                self.metrics.rejected += 1
+                raise ServerBusy(
+                    f"server busy: {self._pending} requests are in flight; try again in a moment"
+                )
+            if not self.router.any_healthy():
+                raise EngineStopped("no model server is reachable right now; try again in a moment")
+            self._pending += 1
+        seq_id = next(self._ids)
+        handle = RequestHandle(seq_id, len(ids), self._cancel)
+        key = owner or user or f"request-{seq_id}"
+        serve = self._serve(handle, ids, params, key, user or owner or "")
+        fut = asyncio.run_coroutine_threadsafe(serve, self._loop)
+        self._futures[seq_id] = fut
+        fut.add_done_callback(lambda _f: self._futures.pop(seq_id, None))
+        return handle
+
+    def stats(self) -> EngineStats:
+        return stream_stats(
+            self.metrics,
+            running=self._pending,
+            block_size=self.config.block_size,
+            max_model_len=self.max_model_len,
+            alive=self.alive,
+            failure=self.failure,
+            replicas=self.router.stats(),
+            served=tuple(self.served.top(SERVED_TOP)),
+        )
+
+    def queue_position(self, handle: RequestHandle) -> int | None:
+        """The upstream's queue is its own: not known per request."""
+        return None
+
+    def wait_estimate(self, ahead: int) -> float | None:
+        return None
+
+    def drain(self, replica: str, draining: bool = True) -> None:
+        self.router.drain(replica, draining)
+
+    # -- KV: the upstream keeps it (prefix cache, offloading); nothing to move here -------
+    def set_memory_pressure_hook(self, hook: Callable[[int, str | None], None] | None) -> None:
+        return None
+
+    def resident_kv(self) -> dict[str, tuple[int, int, float]]:
+        return {}
+
+    def export_kv(self, owner: str) -> KVExport | None:
+        return None
+
+    def import_kv(
+        self, owner: str, kv: KVExport, cache_ns: str | None = None, shareable_prefix: int = 0
+    ) -> bool:
+        return False
+
+    def drop_kv(self, owner: str) -> bool:
+        return False
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Cancel what is in flight (closing its upstream streams), then stop the loop."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        for fut in list(self._futures.values()):
+            fut.cancel()
+        self._health.cancel()
+        try:
+            self._call(self._client.aclose(), timeout)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+
+    # -- the loop's side ------------------------------------------------------------------
+    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _cancel(self, seq_id: int) -> None:
+        fut = self._futures.get(seq_id)
+        if fut is not None:
+            fut.cancel()  # cancels the task; leaving `client.stream` closes the connection
+
+    async def _make_client(self) -> httpx.AsyncClient:
+        # read=None: the first-token and idle timeouts are the turn's own (upstream_stream)
+        timeout = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+    async def _discover(self) -> tuple[str, int | None]:
+        """The served model's name and context from the first replica's `/v1/models`."""
+        deadline, error = time.monotonic() + self.config.upstream_wait_s, "no answer"
+        while True:
+            for r in self.router.replicas:
+                try:
+                    got = await self._client.get(f"{r.url}/v1/models", timeout=5.0)
+                    got.raise_for_status()
+                    model = got.json()["data"][0]
+                    return str(model["id"]), model.get("max_model_len")
+                except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+                    error = f"{r.url}: {type(e).__name__}: {e}"
+            if time.monotonic() >= deadline:
+                raise ModelLoadError(f"no --engine-url server answered GET /v1/models ({error})")
+            await asyncio.sleep(0.5)
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.gather(
+                    *(probe(self._client, self.router, r) for r in self.router.replicas)
+                )
+            except Exception:  # noqa: BLE001 - the health checks must outlive any one failure
+                log.exception("health check round failed")
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _serve(
+        self, handle: RequestHandle, ids: list[int], params: SamplingParams, key: str, user: str
+    ) -> None:
+        """Run the turn on its replica; before any token streamed, a failed replica is
+        marked down and the next one (by the same hash) gets the turn."""
+        tried: set[str] = set()
+        try:
+            while not handle.done:
+                replica = self.router.pick(key, frozenset(tried))
+                if replica is None:
+                    handle._finish(
+                        FinishReason.ERROR,
+                        "no model server is reachable right now; try again in a moment",
+                        EngineStopped,
+                    )
+                    break
+                tried.add(replica.url)
+                outcome = await stream_turn(
+                    self._client,
+                    self.router,
+                    replica,
+                    handle,
+                    completion_body(self.upstream_model, ids, params, self.max_model_len),
+                    self.metrics,
+                    (self.config.upstream_first_token_s, self.config.upstream_idle_s),
+                )
+                if outcome is not Outcome.RETRY:
+                    break
+        except asyncio.CancelledError:
+            handle._finish(FinishReason.CANCELLED)
+            raise
+        except Exception as e:  # noqa: BLE001 - nobody waits forever on a bug of ours
+            log.exception("upstream request failed")
+            handle._finish(FinishReason.ERROR, f"the request failed: {e}")
+        finally:
+            with self._lock:
+                self._pending -= 1
+            computed = handle.num_prompt_tokens - handle.num_cached_tokens if handle.admitted else 0
+            self.served.add(user, computed, handle.num_generated_tokens)
+            with self.metrics.lock:
+                if handle.finish_reason is FinishReason.ERROR:
+                    self.metrics.failed += 1
+                else:
+                    self.metrics.finished += 1

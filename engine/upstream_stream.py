@@ -1,0 +1,185 @@
+"""One turn on one upstream replica: the streamed `/v1/completions` response becomes the
+handle's deltas, and every way it can go wrong becomes the error a user can act on."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import time
+from typing import Any
+
+import httpx
+
+from engine.errors import CrowdchatError, InvalidRequest, PromptTooLong, ServerBusy
+from engine.handle import RequestHandle
+from engine.metrics import Metrics
+from engine.routing import Replica, Router
+from engine.sequence import FinishReason, SamplingParams
+
+log = logging.getLogger(__name__)
+FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ERROR}
+MID_REPLY = (
+    "the model server stopped in the middle of this reply ({why}); the part shown is kept. "
+    "Send your message again: another server answers with the whole conversation"
+)
+
+
+class Outcome(enum.Enum):
+    DONE = "done"  # the handle has ended (finished, or failed with its error)
+    RETRY = "retry"  # the replica failed before any token: the next one may take the turn
+
+
+class UpstreamFailed(Exception):
+    """The stream carried an error event, or could not be read."""
+
+
+def upstream_message(raw: bytes) -> str:
+    """The message of an OpenAI-style error body (vLLM: `{"error": {...}}` or, older,
+    `{"object": "error", "message": ...}`), else the body's start."""
+    try:
+        body = json.loads(raw)
+        err = body.get("error", body) if isinstance(body, dict) else {}
+        return str(err.get("message") if isinstance(err, dict) else err) or raw[:200].decode()
+    except ValueError:
+        return raw[:200].decode(errors="replace")
+
+
+def rejection(status: int, message: str) -> type[CrowdchatError]:
+    """What a 4xx from the upstream is here: a prompt too long, or another bad request."""
+    lowered = message.lower()
+    if "context length" in lowered or "too long" in lowered or "max_model_len" in lowered:
+        return PromptTooLong
+    return InvalidRequest
+
+
+def completion_body(
+    model: str, ids: list[int], p: SamplingParams, max_model_len: int
+) -> dict[str, Any]:
+    """The `/v1/completions` request: the prompt as token ids, sampling mapped 1:1, the reply
+    budget cut to the context left (vLLM refuses more; the built-in engine stops there)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": ids,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,  # vLLM >= 0.10.2; others ignore it and we count chunks
+        "max_tokens": max(1, min(p.max_new_tokens, max_model_len - len(ids))),
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+    }
+    extra = {
+        "top_k": p.top_k or None,
+        "min_tokens": p.min_new_tokens or None,
+        "seed": p.seed,
+        "stop": list(p.stop) or None,
+        "ignore_eos": p.ignore_eos or None,
+    }
+    body.update({k: v for k, v in extra.items() if v is not None})
+    return body
+
+
+async def stream_turn(
+    client: httpx.AsyncClient,
+    router: Router,
+    replica: Replica,
+    handle: RequestHandle,
+    body: dict,
+    metrics: Metrics,
+    timeouts: tuple[float, float],
+) -> Outcome:
+    """Stream `body` from `replica` into `handle`. Connection errors and 5xx before the first
+    token mark the replica down and return RETRY; after it the turn fails with what was
+    received kept. A cancel (CancelledError) leaves `client.stream`, which closes the
+    connection: vLLM aborts a request whose connection closed."""
+    first_token_s, idle_s = timeouts
+    loop = asyncio.get_running_loop()
+    started = last = time.monotonic()
+    streamed, reason, usage = False, FinishReason.STOP, None
+    try:
+        async with asyncio.timeout(first_token_s) as deadline:
+            async with client.stream("POST", f"{replica.url}/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    message = upstream_message(await resp.aread())
+                    if resp.status_code >= 500 or resp.status_code == 408:
+                        router.done(replica, False, f"HTTP {resp.status_code}: {message}")
+                        return Outcome.RETRY
+                    router.done(replica, True)
+                    kind = rejection(resp.status_code, message)
+                    if resp.status_code == 429:
+                        kind = ServerBusy
+                        message = f"the model server is busy ({message}); try again in a moment"
+                    handle._finish(FinishReason.ERROR, message, kind)
+                    return Outcome.DONE
+                handle.admitted = True
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        raise UpstreamFailed(upstream_message(data.encode()))
+                    usage = event.get("usage") or usage
+                    for choice in event.get("choices") or ():
+                        text, ids = choice.get("text") or "", choice.get("token_ids") or ()
+                        if text or ids:
+                            now = time.monotonic()
+                            handle.token_ids.extend(ids or (-1,))  # -1: an id not sent
+                            handle._push(text)
+                            _record(metrics, now - (last if streamed else started), streamed)
+                            metrics.record_tokens(now, len(ids) or 1)
+                            streamed, last = True, now
+                        reason = FINISH.get(choice.get("finish_reason") or "", reason)
+                    deadline.reschedule(loop.time() + idle_s)
+    except TimeoutError:
+        why = f"no token for {idle_s:.0f} s" if streamed else f"no answer in {first_token_s:.0f} s"
+        router.done(replica, True)  # slow is not down: the health check decides that
+        message = (
+            MID_REPLY.format(why=why)
+            if streamed
+            else f"the model server did not start answering ({why}); try again in a moment"
+        )
+        handle._finish(FinishReason.ERROR, message)
+        return Outcome.DONE
+    except (httpx.HTTPError, UpstreamFailed, ValueError) as e:
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        router.done(replica, False, why)
+        if not streamed:
+            return Outcome.RETRY
+        handle._finish(FinishReason.ERROR, MID_REPLY.format(why=why))
+        return Outcome.DONE
+    except asyncio.CancelledError:
+        router.done(replica, True)
+        raise
+    router.done(replica, True)
+    _settle(handle, usage, metrics)
+    handle._finish(reason, None if reason is not FinishReason.ERROR else "the upstream aborted it")
+    return Outcome.DONE
+
+
+def _record(metrics: Metrics, gap: float, streamed: bool) -> None:
+    """TTFT for the first token, ITL for the rest (the engine's histograms, same buckets)."""
+    with metrics.lock:
+        if streamed:
+            metrics.itl.append(gap)
+            metrics.itl_hist.observe(gap)
+        else:
+            metrics.ttft.append(gap)
+            metrics.ttft_hist.observe(gap)
+
+
+def _settle(handle: RequestHandle, usage: dict | None, metrics: Metrics) -> None:
+    """The final usage chunk: generated tokens (when ids were not sent) and the prompt
+    tokens the upstream's prefix cache already held (vLLM: --enable-prompt-tokens-details)."""
+    if not usage:
+        return
+    missing = int(usage.get("completion_tokens") or 0) - len(handle.token_ids)
+    handle.token_ids.extend([-1] * max(missing, 0))
+    details = usage.get("prompt_tokens_details") or {}
+    cached = int(details.get("cached_tokens") or 0)
+    handle.num_cached_tokens = handle.num_hit_tokens = min(cached, handle.num_prompt_tokens)
+    with metrics.lock:
+        metrics.prompt_tokens += handle.num_prompt_tokens - handle.num_cached_tokens

@@ -1,0 +1,380 @@
+"""crowdchat over upstream engines (--engine-url): the real app, session layer and SQLite in
+front of two fake vLLM replicas (real HTTP servers, tests/fake_upstream.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from app import AppConfig, build_app
+from engine import (
+    Backend,
+    EngineConfig,
+    EngineStopped,
+    InvalidRequest,
+    ModelLoadError,
+    RequestFailed,
+    SamplingParams,
+)
+from engine.loader import local_tokenizer
+from engine.routing import Router, parse_metrics, score
+from engine.upstream import UpstreamBackend
+from engine.upstream_stream import completion_body
+from sessions import SessionConfig, SessionManager
+from tests.fake_model import fake_engine
+from tests.fake_upstream import MODEL, FakeReplica
+from tests.web import free_port
+from ui.admin_page import replicas_table, totals
+
+SESSION_HEADER = "x-session-id"
+
+
+def wait_for(cond, timeout: float = 10.0) -> None:  # noqa: ANN001
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def local(model_dir: Path) -> tuple:
+    """The embedded model's tokenizer and facts, read without loading any weights."""
+    return local_tokenizer(EngineConfig(data_dir=model_dir))
+
+
+@contextmanager
+def upstream_server(
+    replicas: list[FakeReplica],
+    data_dir: Path,
+    local: tuple,
+    app: dict | None = None,
+    **overrides: object,
+) -> Iterator[tuple[str, UpstreamBackend, SessionManager, object]]:
+    """crowdchat with --engine-url over `replicas`: (base url, backend, sessions, monitor).
+    `app`: AppConfig fields (e.g. the admin password); `overrides`: EngineConfig fields."""
+    settings: dict[str, object] = {
+        "data_dir": data_dir,
+        "engine_url": ",".join(r.url for r in replicas),
+        "health_interval_s": 0.2,
+        "upstream_wait_s": 5.0,
+    }
+    settings.update(overrides)
+    backend = UpstreamBackend(EngineConfig(**settings), local=local)  # type: ignore[arg-type]
+    sm = SessionManager(backend, SessionConfig(idle_seconds=3600.0), data_dir)
+    app_settings = {"new_identities_per_minute": 10_000, **(app or {})}
+    server_app, monitor = build_app(backend, sm, AppConfig(**app_settings), data_dir)  # type: ignore[arg-type]
+    port = free_port()
+    config = uvicorn.Config(server_app, host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, 30)
+    try:
+        yield f"http://127.0.0.1:{port}", backend, sm, monitor
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        monitor.stop()
+        sm.shutdown()
+        backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[list[FakeReplica]]:
+    reps = [FakeReplica("r0").start(), FakeReplica("r1").start()]
+    yield reps
+    for r in reps:
+        r.stop()
+
+
+@pytest.fixture(scope="module")
+def served(
+    replicas: list[FakeReplica], local: tuple, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, UpstreamBackend, SessionManager, object]]:
+    with upstream_server(replicas, tmp_path_factory.mktemp("upstream"), local) as s:
+        yield s
+
+
+@pytest.fixture
+def up(served, replicas):  # noqa: ANN001, ANN201
+    """The shared server with both replicas alive, healthy, faultless and forgotten."""
+    url, backend, sm, monitor = served
+    for r in replicas:
+        if r.server is None:
+            r.start()
+        r.fault, r.delay, r.words = None, 0.0, 4
+        r.requests.clear()
+        r.aborted = r.completed = 0
+    for r in backend.router.replicas:
+        backend.drain(r.url, draining=False)
+    wait_for(lambda: all(r.healthy for r in backend.router.replicas))
+    return served
+
+
+def served_by(replicas: list[FakeReplica], n: int) -> list[str]:
+    """Names of the replicas that got the requests, in order (each got `n` in all)."""
+    return [r.name for r in replicas for _ in r.requests][:n]
+
+
+def new_session(url: str) -> str:
+    got = httpx.post(f"{url}/v1/sessions", json={}, headers={"authorization": "Bearer t1"})
+    assert got.status_code == 200, got.text
+    return got.json()["id"]
+
+
+def ask(url: str, text: str, sid: str | None = None, **extra: object) -> httpx.Response:
+    headers = {"authorization": "Bearer t1", **({SESSION_HEADER: sid} if sid else {})}
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 16, **extra}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+
+
+# -- the seam -------------------------------------------------------------------------------
+def test_both_backends_satisfy_the_protocol(served, tmp_path: Path) -> None:  # noqa: ANN001
+    engine, _runner = fake_engine(32, data_dir=tmp_path)
+    try:
+        assert isinstance(engine, Backend) and engine.keeps_kv
+        assert isinstance(served[1], Backend) and not served[1].keeps_kv
+        for name in ("submit", "stats", "queue_position", "wait_estimate", "drain", "drop_kv"):
+            assert callable(getattr(engine, name)) and callable(getattr(served[1], name))
+    finally:
+        engine.shutdown()
+
+
+def test_rendezvous_is_sticky_spread_and_moves_only_a_lost_replicas_keys() -> None:
+    urls = ["http://a:1", "http://b:1", "http://c:1"]
+    router = Router(urls)
+    keys = [f"session-{i}" for i in range(300)]
+    first = {k: router.pick(k).url for k in keys}
+    assert {k: router.pick(k).url for k in keys} == first  # sticky
+    counts = {u: list(first.values()).count(u) for u in urls}
+    assert min(counts.values()) > 60, counts  # spread (100 each on average)
+    router.mark_down(router.replicas[1], "test")
+    after = {k: router.pick(k).url for k in keys}
+    moved = [k for k in keys if after[k] != first[k]]
+    assert moved and all(first[k] == "http://b:1" for k in moved)
+    assert max(urls, key=lambda u: score("session-0", u)) == first["session-0"]
+
+
+def test_vllm_metrics_are_read_and_missing_ones_tolerated() -> None:
+    text = (
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{model_name="m",engine="0"} 3.0\n'
+        'vllm:num_requests_running{model_name="m",engine="1"} 2.0\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{model_name="m"} 40.0\n'
+        'vllm:prefix_cache_hits_created{model_name="m"} 1.7e9\n'
+        "# TYPE llamacpp:tokens_predicted_total counter\n"
+        "llamacpp:tokens_predicted_total 7\n"
+    )
+    assert parse_metrics(text) == {"num_requests_running": 5.0, "prefix_cache_hits": 40.0}
+
+
+def test_the_request_body_maps_sampling_and_keeps_the_reply_inside_the_context() -> None:
+    plain = completion_body("m", [5, 6, 7], SamplingParams(max_new_tokens=100), 50)
+    assert plain["prompt"] == [5, 6, 7] and plain["max_tokens"] == 47
+    assert not {"top_k", "min_tokens", "seed", "stop", "ignore_eos"} & set(plain)
+    p = SamplingParams(top_k=5, min_new_tokens=2, seed=0, stop=("x",), ignore_eos=True)
+    full = completion_body("m", [1], p, 4096)
+    assert (full["top_k"], full["min_tokens"], full["seed"]) == (5, 2, 0)
+    assert (full["stop"], full["ignore_eos"], full["max_tokens"]) == (["x"], True, 256)
+
+
+def test_bad_urls_and_unreachable_upstreams_stop_start_up_with_a_message(
+    local: tuple, tmp_path: Path
+) -> None:
+    with pytest.raises(InvalidRequest, match="--engine-url"):
+        EngineConfig(engine_url="127.0.0.1:8000")
+    with pytest.raises(InvalidRequest, match="--engine-url"):
+        EngineConfig(engine_url=" , ")
+    config = EngineConfig(
+        data_dir=tmp_path, engine_url=f"http://127.0.0.1:{free_port()}", upstream_wait_s=0.3
+    )
+    with pytest.raises(ModelLoadError, match="no --engine-url server answered"):
+        UpstreamBackend(config, local=local)
+
+
+# -- chat over the API and the session layer -------------------------------------------------
+def test_api_chat_sends_crowdchat_prompt_ids_and_sampling_and_streams(up, replicas) -> None:  # noqa: ANN001
+    url, backend, sm, _ = up
+    got = ask(url, "Hello there", temperature=0.3, top_p=0.9, seed=7, stop=["zz"])
+    assert got.status_code == 200, got.text
+    text = got.json()["choices"][0]["message"]["content"]
+    assert text.startswith("[r") and text.endswith("w1 w2 w3 w4 ")
+    [body] = [b for r in replicas for b in r.requests]
+    expected = sm.prompts.encode([{"role": "user", "content": "Hello there"}], 10**6)
+    assert body["prompt"] == expected and body["model"] == MODEL
+    assert (body["temperature"], body["top_p"], body["seed"]) == (0.3, 0.9, 7)
+    assert (body["max_tokens"], body["stop"], body["stream"]) == (16, ["zz"], True)
+    assert got.json()["usage"]["completion_tokens"] == 5
+    lines = []
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "stream": True},
+        headers={"authorization": "Bearer t1"},
+    ) as resp:
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 4
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == backend.model_id
+
+
+def test_sessions_stick_to_one_replica_and_spread_over_both(up, replicas) -> None:  # noqa: ANN001
+    url, backend, sm, _ = up
+    homes = []
+    for i in range(12):
+        sid = new_session(url)
+        names = set()
+        for turn in range(3):
+            before = [len(r.requests) for r in replicas]
+            got = ask(url, f"turn {turn} of {i}", sid)
+            assert got.status_code == 200 and got.headers["x-crowdchat-kv"] == "upstream"
+            names |= {r.name for r, n in zip(replicas, before, strict=True) if len(r.requests) > n}
+        assert len(names) == 1, names  # sticky_fraction 1.0 while both are healthy
+        homes.append(names.pop())
+    assert set(homes) == {"r0", "r1"}, homes
+
+
+def test_a_killed_replica_hands_the_whole_conversation_to_the_other(up, replicas) -> None:  # noqa: ANN001
+    url, backend, sm, _ = up
+    sid = new_session(url)
+    first = ask(url, "first question", sid).json()["choices"][0]["message"]["content"]
+    home = next(r for r in replicas if r.requests)
+    other = next(r for r in replicas if r is not home)
+    home.stop()
+    got = ask(url, "second question", sid)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["message"]["content"].startswith(f"[{other.name}]")
+    sent = backend.tokenizer.decode(other.requests[-1]["prompt"])
+    assert "first question" in sent and first.strip() in sent and "second question" in sent
+    owner = sm.store.get_session(sid)["owner"]
+    assert [m["role"] for m in sm.messages(owner, sid)] == ["user", "assistant"] * 2
+    assert ask(url, "third question", sid).status_code == 200  # stays on the survivor
+    assert len(other.requests) == 2
+
+
+def test_a_replica_dying_mid_reply_keeps_the_part_and_the_next_turn_moves(up, replicas) -> None:  # noqa: ANN001
+    url, backend, sm, _ = up
+    owner = "user:mid"
+    sid = sm.create_session(owner)["id"]
+    sm.chat(owner, sid, "warm up", SamplingParams(max_new_tokens=8)).result()
+    home = next(r for r in replicas if r.requests)
+    other = next(r for r in replicas if r is not home)
+    home.fault, home.die_after = "die", 2
+    failed_before = {r.url: r.failures for r in backend.stats().replicas}[home.url]
+    turn = sm.chat(owner, sid, "this one breaks", SamplingParams(max_new_tokens=8))
+    with pytest.raises(RequestFailed, match="stopped in the middle of this reply"):
+        turn.result()
+    assert turn.text == f"[{home.name}] w1 "
+    last = sm.messages(owner, sid)[-1]
+    assert (last["role"], last["content"]) == ("assistant", turn.text)
+    nxt = sm.chat(owner, sid, "again", SamplingParams(max_new_tokens=8)).result()
+    assert nxt.startswith(f"[{other.name}]")
+    assert "this one breaks" in backend.tokenizer.decode(other.requests[-1]["prompt"])
+    down = {r.url: r for r in backend.stats().replicas}[home.url]
+    assert not down.healthy and down.failures == failed_before + 1 and down.last_error
+
+
+def test_cancel_closes_the_upstream_stream(up, replicas) -> None:  # noqa: ANN001
+    url, backend, sm, _ = up
+    for r in replicas:
+        r.delay, r.words = 0.2, 50
+    owner = "user:stop"
+    sid = sm.create_session(owner)["id"]
+    turn = sm.chat(owner, sid, "a long answer please", SamplingParams(max_new_tokens=60))
+    it = iter(turn)
+    assert next(it).startswith("[r")
+    turn.cancel()
+    rest = list(it)
+    assert len(rest) < 5 and turn.finish_reason == "cancelled"
+    wait_for(lambda: sum(r.aborted for r in replicas) == 1, 5)
+    assert sum(r.completed for r in replicas) == 0
+    assert sm.messages(owner, sid)[-1]["finish_reason"] == "cancelled"
+    # no KV snapshots here: the upstream keeps the KV, SQLite the conversation
+    assert not sm.persist_now(sid) and sm.stats().snapshots == 0
+    wait_for(lambda: backend.stats().running == 0, 5)
+
+
+# -- errors ------------------------------------------------------------------------------------
+def test_upstream_errors_become_clear_messages(up, replicas) -> None:  # noqa: ANN001
+    url, backend, sm, _ = up
+    for r in replicas:
+        r.fault = "400"
+    got = ask(url, "too long for the upstream")
+    assert got.status_code == 400
+    assert got.json()["error"]["code"] == "context_length_exceeded"
+    assert "maximum context length" in got.json()["error"]["message"]
+    for r in replicas:
+        r.fault = "429"
+    got = ask(url, "the upstream is overloaded")
+    assert got.status_code == 429 and got.json()["error"]["code"] == "server_busy"
+    assert "model server is busy" in got.json()["error"]["message"]
+    for r in replicas:
+        r.fault = "500"
+    got = ask(url, "both replicas fail")
+    assert got.status_code == 503, got.text
+    assert "no model server is reachable" in got.json()["error"]["message"]
+    assert sum(len(r.requests) for r in replicas) == 1 + 1 + 2  # 400, 429, each replica once
+    for r in replicas:  # now both crash: the health checks see it, new turns are refused
+        r.fault = "unhealthy"
+    wait_for(lambda: httpx.get(f"{url}/health").status_code == 503, 5)
+    with pytest.raises(EngineStopped):
+        backend.submit([1, 2, 3])
+    assert "no model server is reachable" in httpx.get(f"{url}/health").text
+    for r in replicas:
+        r.fault = None
+    wait_for(lambda: all(r.healthy for r in backend.stats().replicas), 5)  # health checks
+    assert ask(url, "back").status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_slow_first_token_times_out_with_a_message(replicas, local, tmp_path) -> None:  # noqa: ANN001
+    for r in replicas:
+        if r.server is None:
+            r.start()
+        r.fault, r.delay = None, 1.5
+    try:
+        with upstream_server(replicas, tmp_path, local, upstream_first_token_s=0.3) as s:
+            _url, backend, sm, _ = s
+            handle = backend.submit(sm.prompts.encode([{"role": "user", "content": "hi"}], 999))
+            with pytest.raises(RequestFailed, match="did not start answering"):
+                handle.result()
+    finally:
+        for r in replicas:
+            r.delay = 0.0
+
+
+# -- admin, metrics, drain ---------------------------------------------------------------------
+def test_stats_metrics_admin_and_drain(up, replicas) -> None:  # noqa: ANN001
+    url, backend, sm, monitor = up
+    before = backend.stats()
+    sids = [new_session(url) for _ in range(8)]
+    for sid in sids:
+        assert ask(url, "hello", sid).status_code == 200
+    wait_for(lambda: all(r.upstream for r in backend.stats().replicas), 5)
+    after = backend.stats()
+    rows = {r.url: r for r in after.replicas}
+    assert sum(r.served for r in rows.values()) - sum(r.served for r in before.replicas) == 8
+    assert after.generated_tokens_total - before.generated_tokens_total == 8 * 5
+    assert rows[replicas[0].url].upstream["kv_cache_usage_perc"] == 0.25
+    table = replicas_table(monitor)
+    assert list(table["url"]) == [r.url for r in replicas] and set(table["state"]) == {"up"}
+    assert "upstream: 2/2 replicas healthy" in totals(monitor, sm, 2000)
+    prom = httpx.get(f"{url}/metrics").text
+    assert f"crowdchat_generated_tokens_total {after.generated_tokens_total:.1f}" in prom
+    assert 'crowdchat_served_tokens_total{kind="generated",owner="' in prom  # per user too
+    assert "crowdchat_engine_up 1.0" in prom
+    backend.drain(replicas[0].url)
+    for r in replicas:
+        r.requests.clear()
+    for sid in sids:
+        assert ask(url, "again", sid).status_code == 200
+    assert not replicas[0].requests and len(replicas[1].requests) == 8
+    assert set(replicas_table(monitor)["state"]) == {"draining", "up"}
