@@ -186,3 +186,19 @@ def test_fp32_a_branch_continues_exactly_as_a_cold_recompute_of_its_tokens(
         assert cold.token_ids == warm.handle.token_ids
     finally:
         close_sessions(engine, sm)
+
+
+def test_the_switcher_follows_the_clicked_message_else_the_newest_with_versions() -> None:
+    from ui.branch_bar import describe, focused
+
+    path = [
+        {"id": 1, "role": "user", "content": "Hi there", "branch": 2, "branches": 2},
+        {"id": 4, "role": "assistant", "content": "Hello!", "branch": 1, "branches": 3},
+        {"id": 5, "role": "user", "content": "More", "branch": 1, "branches": 1},
+    ]
+    assert focused(path, None)["id"] == 4  # the newest message that has siblings
+    assert focused(path, 1)["id"] == 1  # the one the user clicked
+    assert focused(path, 5)["id"] == 4  # no siblings: the switcher stays where it was
+    assert focused(path[2:], None) is None
+    assert describe(path[1]).startswith("**1/3** · reply")
+    assert "your message" in describe(path[0]) and describe(None) == ""
