@@ -113,7 +113,12 @@ def long_conversation(sm: SessionManager, turns: int, context: int) -> dict:
         turn.result()
         prefilled.append(turn.num_prefilled_tokens)
     session = sm.get_session("long", sid)
-    whole = sm.prompts.encode(conversation(session, sm.messages("long", sid)))
+    # the whole transcript, untruncated (encode would refuse it: it is over the context)
+    whole = [
+        t
+        for piece in sm.prompts.pieces(conversation(session, sm.messages("long", sid)))
+        for t in piece
+    ]
     return {
         "turns": turns,
         "context_tokens": context,
@@ -152,11 +157,14 @@ def main() -> None:
         warm = sm.create_session("warm", system_prompt="Be brief.")["id"]
         sm.chat("warm", warm, "Hi", FIRST).result()  # first-call costs, nothing shared
         sm.delete_session("warm", warm)
-        parts = [shared_prefix(engine, sm, args.users)]
-        parts.append(regenerate(engine, sm, loaded, args.regenerate_tokens))
+        runs = [
+            lambda: shared_prefix(engine, sm, args.users),
+            lambda: regenerate(engine, sm, loaded, args.regenerate_tokens),
+        ]
         if args.long_turns:
-            parts.append(long_conversation(sm, args.long_turns, engine.max_model_len))
-        for part in parts:
+            runs.append(lambda: long_conversation(sm, args.long_turns, engine.max_model_len))
+        for run in runs:  # each part printed as soon as it is measured
+            part = run()
             print(json.dumps(part), flush=True)
             summary.update({k: v for k, v in part.items() if k.endswith("_ratio")})
             summary.update({k: v for k, v in part.items() if k.endswith("_fraction")})

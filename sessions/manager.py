@@ -18,11 +18,13 @@ from engine import Backend, InvalidRequest, SamplingParams
 from engine.chat_format import ChatFormatter
 from sessions.admin import SessionFacts, SessionStats, session_facts, session_stats
 from sessions.admission import Admission, Ticket, cost, prompt_to_compute
+from sessions.branches import siblings
 from sessions.config import SessionConfig
 from sessions.errors import SessionBusy, SessionNotFound
 from sessions.prompt import Message, PromptEncoder, clean_messages, clean_text, conversation
 from sessions.reply import OneOffReply, Reply
 from sessions.residency import Residency
+from sessions.shared_prompts import SharedPrompts
 from sessions.snapshots import SnapshotFiles, check_session_id
 from sessions.state import SessionState
 from sessions.store import Store
@@ -50,6 +52,9 @@ class SessionManager:
             (self.default_system,) if self.default_system else (),
         )
         self.formatter = self.prompts.formatter
+        self.shared_prompts = SharedPrompts(
+            self.store, self.prompts, self.default_system, config.max_message_chars
+        )
         self.admission = Admission(config)
         self.limiter = self.admission.limiter
         self._active: dict[str, ChatTurn | None] = {}  # session id -> its running turn
@@ -62,9 +67,11 @@ class SessionManager:
     def create_session(self, owner: str, title: str = "", system_prompt: str = "") -> dict:
         """A new empty conversation for `owner` with a random 128-bit id (RateLimited at the
         per-user cap on conversations, or while the owner creates too many at once; ServerBusy
-        while everyone together does: the writes queue on the one SQLite writer)."""
+        while everyone together does: the writes queue on the one SQLite writer). The system
+        prompt is kept without surrounding whitespace, as shared prompts are, so one pasted
+        with a trailing newline still matches its shared twin."""
         system_prompt = (
-            clean_text(system_prompt, self.config.max_message_chars)
+            clean_text(system_prompt, self.config.max_message_chars).strip()
             if system_prompt.strip()
             else ""
         )
@@ -101,7 +108,7 @@ class SessionManager:
         unchanged one costs no write)."""
         session = self.get_session(owner, sid)
         text = (
-            clean_text(system_prompt, self.config.max_message_chars)
+            clean_text(system_prompt, self.config.max_message_chars).strip()
             if system_prompt.strip()
             else ""
         )
@@ -138,7 +145,8 @@ class SessionManager:
         return OneOffReply(handle, self.engine.queue_position, on_end=end)
 
     def chat(self, owner: str, sid: str, text: str, params: SamplingParams) -> ChatTurn:
-        """Add the user's message (committed before anything streams) and start the reply."""
+        """Add the user's message at the end of the active path (committed before anything
+        streams) and start the reply."""
         self.get_session(owner, sid)
         text = clean_text(text, self.config.max_message_chars)
         params = self.admission.clamp(params)
@@ -153,48 +161,76 @@ class SessionManager:
             update = {"state": SessionState.ACTIVE, "last_active": time.time()}
             if not session["title"]:
                 update["title"] = " ".join(text.split())[:TITLE_CHARS]
-            self.store.add_message(sid, "user", text, session_fields=update)
-            return self._start(sid, prompt, params, session, ticket)
+            parent = history[-1]["id"] if history else None
+            mid = self.store.add_message(sid, "user", text, parent_id=parent, session_fields=update)
+            return self._start(sid, prompt, params, session, ticket, reply_parent=mid)
 
     def regenerate(self, owner: str, sid: str, params: SamplingParams) -> ChatTurn:
-        """Replace the last reply with a new one, once the engine accepted the new request
-        (until then the old reply stays, also when the server turns the request away)."""
+        """Answer the last message of the active path again. The new reply becomes a sibling
+        branch of the old one, which stays (`switch_branch` shows it again)."""
         self.get_session(owner, sid)
         params = self.admission.clamp(params)
         with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
             history = self.store.messages(sid)
-            old = history.pop() if history and history[-1]["role"] == "assistant" else None
+            if history and history[-1]["role"] == "assistant":
+                history.pop()
             if not history or history[-1]["role"] != "user":
                 raise InvalidRequest("there is no message to answer again")
             convo = conversation(session, history, self.default_system)
             prompt = self.prompts.encode_fitting(convo, params)
             self.admission.reserve(ticket, prompt_to_compute(session, prompt), params)
-            replace = functools.partial(self._replace, reply_ids=[old["id"]] if old else [])
-            return self._start(sid, prompt, params, session, ticket, on_accept=replace)
+            return self._start(
+                sid, prompt, params, session, ticket, self._mark_active, history[-1]["id"]
+            )
 
-    def edit_last(self, owner: str, sid: str, text: str, params: SamplingParams) -> ChatTurn:
-        """Replace the last user message (and its reply) and answer it again; the edit is
-        written, in one transaction, once the engine accepted the new request."""
+    def edit(
+        self, owner: str, sid: str, message_id: int, text: str, params: SamplingParams
+    ) -> ChatTurn:
+        """Answer an edited version of one of the user's messages on the active path. The
+        edit is a sibling branch of the original (which stays, with everything after it),
+        written once the engine accepted the new request."""
         self.get_session(owner, sid)
         text = clean_text(text, self.config.max_message_chars)
         params = self.admission.clamp(params)
         with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
             history = self.store.messages(sid)
-            replies = []
-            while history and history[-1]["role"] == "assistant":
-                replies.append(history.pop())
-            if not history:
-                raise InvalidRequest("there is no message to edit")
+            at = next((i for i, m in enumerate(history) if m["id"] == message_id), None)
+            if at is None or history[at]["role"] != "user":
+                raise InvalidRequest(
+                    "only your own messages in the conversation shown can be edited"
+                )
             convo = [
-                *conversation(session, history[:-1], self.default_system),
+                *conversation(session, history[:at], self.default_system),
                 {"role": "user", "content": text},
             ]
             prompt = self.prompts.encode_fitting(convo, params)
             self.admission.reserve(ticket, prompt_to_compute(session, prompt), params)
-            replace = functools.partial(
-                self._replace, reply_ids=[r["id"] for r in replies], edit=(history[-1]["id"], text)
-            )
-            return self._start(sid, prompt, params, session, ticket, on_accept=replace)
+            accept = functools.partial(self._add_edit, parent=history[at]["parent_id"], text=text)
+            return self._start(sid, prompt, params, session, ticket, on_accept=accept)
+
+    def edit_last(self, owner: str, sid: str, text: str, params: SamplingParams) -> ChatTurn:
+        """`edit` the last user message of the active path."""
+        users = [m for m in self.messages(owner, sid) if m["role"] == "user"]
+        if not users:
+            raise InvalidRequest("there is no message to edit")
+        return self.edit(owner, sid, users[-1]["id"], text, params)
+
+    def switch_branch(self, owner: str, sid: str, message_id: int, step: int) -> int:
+        """Show the sibling `step` places from `message_id` (clamped to the first and last
+        branch) and return its id: the active path, the next turn and the API's view then
+        follow it. SessionBusy while the conversation answers; nothing is deleted."""
+        self.get_session(owner, sid)
+        with self._claimed(sid):
+            try:
+                group = siblings(self.store.message_tree(sid), message_id)
+                if not group:
+                    raise InvalidRequest("no such message in this conversation")
+                at = next(i for i, m in enumerate(group) if m["id"] == message_id)
+                target = group[max(0, min(len(group) - 1, at + step))]["id"]
+                self.store.select_message(sid, target, {"last_active": time.time()})
+            finally:
+                self._release(sid)
+        return target
 
     def prefetch(self, owner: str, sid: str) -> None:
         """The user opened this conversation: bring its KV back while they type."""
@@ -278,6 +314,7 @@ class SessionManager:
         session: dict,
         ticket: Ticket,
         on_accept: Callable[[ChatTurn], None] | None = None,
+        reply_parent: int | None = None,
     ) -> ChatTurn:
         prior = session["token_count"]  # the conversation's tokens before this turn
         turn = ChatTurn(
@@ -298,18 +335,24 @@ class SessionManager:
             on_end=functools.partial(self._end_turn, ticket=ticket),
             on_accept=on_accept,
         )
+        turn.reply_parent = reply_parent
         self._active[sid] = turn
         return turn
 
-    def _replace(
-        self, turn: ChatTurn, reply_ids: list[int], edit: tuple[int, str] | None = None
-    ) -> None:
-        """The engine took a regenerate or an edit: the old reply goes (and the edited
-        message is rewritten) in one transaction, before the new reply streams."""
-        self.store.replace_reply(
+    def _mark_active(self, turn: ChatTurn) -> None:
+        """The engine took a regenerate: the session answers (the old reply stays)."""
+        self.store.update_session(
+            turn.session_id, state=SessionState.ACTIVE, last_active=time.time()
+        )
+
+    def _add_edit(self, turn: ChatTurn, parent: int | None, text: str) -> None:
+        """The engine took an edit: the new message is written as a sibling branch of the
+        old one (now the active path) before the reply streams; the reply follows it."""
+        turn.reply_parent = self.store.add_message(
             turn.session_id,
-            reply_ids,
-            edit,
+            "user",
+            text,
+            parent_id=parent,
             session_fields={"state": SessionState.ACTIVE, "last_active": time.time()},
         )
 
@@ -343,6 +386,7 @@ class SessionManager:
                     token_count=generated,
                     finish_reason=turn.finish_reason,
                     session_fields=update,
+                    parent_id=turn.reply_parent,
                 )
             else:
                 self.store.update_session(sid, **update)

@@ -99,12 +99,41 @@ def m005_counters(db: Database) -> None:
         db.execute(sql)
 
 
+# Messages form a tree: a regenerated reply or an edited message is a sibling of the one it
+# replaces (same parent), numbered by `branch` among them; `selected` marks the sibling each
+# group shows, and the active path (what the model sees, the API and transcripts show) follows
+# the selected child from the root. Every existing message becomes branch 1 of its slot.
+_BRANCH_SQL = (
+    "ALTER TABLE messages ADD COLUMN parent_id INTEGER",
+    "ALTER TABLE messages ADD COLUMN branch INTEGER NOT NULL DEFAULT 1",
+    "ALTER TABLE messages ADD COLUMN selected INTEGER NOT NULL DEFAULT 1",
+    "UPDATE messages SET parent_id = (SELECT max(p.id) FROM messages p"
+    " WHERE p.session_id = messages.session_id AND p.id < messages.id)",
+    "CREATE INDEX messages_parent ON messages (session_id, parent_id)",
+)
+
+
+def m006_branches(db: Database) -> None:
+    for sql in _BRANCH_SQL:
+        db.execute(sql)
+
+
+def m007_shared_prompts(db: Database) -> None:
+    # system prompts an operator marked shared on the admin page (their KV is shared by all)
+    db.execute(
+        "CREATE TABLE shared_prompts ("
+        " id INTEGER PRIMARY KEY AUTOINCREMENT, text TEXT NOT NULL UNIQUE, created REAL NOT NULL)"
+    )
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
     m001_sessions,
     m002_messages,
     m003_snapshots,
     m004_api_keys,
     m005_counters,
+    m006_branches,
+    m007_shared_prompts,
 ]
 
 

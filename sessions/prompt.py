@@ -97,6 +97,11 @@ class PromptEncoder:
         self.formatter = formatter
         self.max_model_len = max_model_len
         self._tokens = functools.lru_cache(maxsize=TOKEN_CACHE_ENTRIES)(self._tokenize)
+        self.share(shared_system_prompts)
+
+    def share(self, shared_system_prompts: tuple[str, ...]) -> None:
+        """From now on, these system prompts (and the template's default) are the shared
+        ones (the list is replaced whole, so a turn encoding meanwhile sees old or new)."""
         probe = {"role": "user", "content": "?"}
         heads = [self.pieces([probe])[0]]  # template text only: its default system prompt
         for text in shared_system_prompts:

@@ -10,6 +10,7 @@ from typing import Any, Self
 from sqlite_utils import Database
 from sqlite_utils.db import NotFoundError
 
+from sessions.branches import END, active_path
 from sessions.migrations import migrate
 from sessions.sqlite_worker import SQLiteWorker
 
@@ -29,6 +30,13 @@ def _decoded(row: dict) -> dict:
     if isinstance(row.get("fingerprint"), str):
         row["fingerprint"] = json.loads(row["fingerprint"])
     return row
+
+
+def _tree(db: Database, session_id: str) -> list[dict]:
+    """The session's messages as the branch logic needs them, read in a write transaction."""
+    sql = "SELECT id, parent_id, selected FROM messages WHERE session_id = ? ORDER BY id"
+    cols = ("id", "parent_id", "selected")
+    return [dict(zip(cols, row, strict=True)) for row in db.execute(sql, [session_id])]
 
 
 def _session_fields(fields: dict[str, Any]) -> dict[str, Any]:
@@ -156,20 +164,35 @@ class Store:
         token_count: int = 0,
         finish_reason: str | None = None,
         session_fields: dict[str, Any] | None = None,
+        parent_id: int | None | str = END,
     ) -> int:
-        """Append a message and return its id once it is committed to disk. With
-        `session_fields` the session row is updated in the same transaction (one fsync)."""
-        row = {
-            "session_id": session_id,
-            "role": role,
-            "content": content,
-            "token_count": token_count,
-            "created": time.time(),
-            "finish_reason": finish_reason,
-        }
+        """Add a message after `parent_id` (default: at the end of the active path; None: as
+        a first message) and return its id once it is committed to disk. It becomes the
+        selected branch of its slot: a sibling of an earlier child of the same parent (a
+        regenerated reply, an edited message) stays, unselected. With `session_fields` the
+        session row is updated in the same transaction (one fsync)."""
         fields = _session_fields(session_fields or {})
 
         def write(db: Database) -> int | None:
+            parent = parent_id
+            if parent == END:
+                path = active_path(_tree(db, session_id))
+                parent = path[-1]["id"] if path else None
+            group = "session_id = ? AND parent_id IS ?"
+            n = db.execute(f"SELECT count(*) FROM messages WHERE {group}", [session_id, parent])  # noqa: S608
+            branch = n.fetchone()[0] + 1
+            db.execute(f"UPDATE messages SET selected = 0 WHERE {group}", [session_id, parent])  # noqa: S608
+            row = {
+                "session_id": session_id,
+                "role": role,
+                "content": content,
+                "token_count": token_count,
+                "created": time.time(),
+                "finish_reason": finish_reason,
+                "parent_id": parent,
+                "branch": branch,
+                "selected": 1,
+            }
             rowid = db.table("messages").insert(row).last_rowid
             if fields:
                 db.table("sessions").update(session_id, fields)
@@ -184,33 +207,37 @@ class Store:
         assert fields.keys() <= MESSAGE_FIELDS, f"unknown message fields {fields.keys()}"
         self.sql.write(lambda db: db.table("messages").update(id, fields))
 
-    def delete_message(self, id: int) -> None:
-        """Delete message `id` (regenerating replaces the last reply)."""
-        self.sql.write(lambda db: db.table("messages").delete_where("id = ?", [id]))
-
-    def replace_reply(
-        self,
-        session_id: str,
-        reply_ids: list[int],
-        edit: tuple[int, str] | None = None,
-        session_fields: dict[str, Any] | None = None,
-    ) -> None:
-        """Delete a turn's reply rows and, for an edit `(message id, text)`, rewrite its user
-        message, with the session's fields, in one transaction: all of it or nothing."""
+    def select_message(
+        self, session_id: str, message_id: int, session_fields: dict[str, Any] | None = None
+    ) -> bool:
+        """Make `message_id` the selected branch of its slot (the active path then runs
+        through it and, below it, through the branches selected there before); False if the
+        session has no such message. Nothing is deleted."""
         fields = _session_fields(session_fields or {})
 
-        def write(db: Database) -> None:
-            for id in reply_ids:
-                db.table("messages").delete_where("id = ? AND session_id = ?", [id, session_id])
-            if edit is not None:
-                db.table("messages").update(edit[0], {"content": edit[1]})
+        def write(db: Database) -> bool:
+            sql = "SELECT parent_id FROM messages WHERE id = ? AND session_id = ?"
+            found = db.execute(sql, [message_id, session_id]).fetchone()
+            if found is None:
+                return False
+            db.execute(
+                "UPDATE messages SET selected = (id = ?) WHERE session_id = ? AND parent_id IS ?",
+                [message_id, session_id, found[0]],
+            )
             if fields:
                 db.table("sessions").update(session_id, fields)
+            return True
 
-        self.sql.write(write)
+        return self.sql.write(write)
 
     def messages(self, session_id: str) -> list[dict]:
-        """The session's messages in the order they were added."""
+        """The session's active path, first message first: the conversation as the model,
+        the API and the page see it. Each row has `branch` (its number among its siblings)
+        and `branches` (how many there are)."""
+        return active_path(self.message_tree(session_id))
+
+    def message_tree(self, session_id: str) -> list[dict]:
+        """Every message of the session, every branch, in the order they were added."""
         return self._rows("messages", "session_id = ?", [session_id], "id")
 
     def put_snapshot(

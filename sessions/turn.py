@@ -45,6 +45,7 @@ class ChatTurn:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.accepted = False
+        self.reply_parent: int | None = None  # the message the reply follows (set by the owner)
         self._restore = restore
         self._submit = submit
         self._queue_position = queue_position

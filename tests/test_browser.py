@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -198,6 +199,65 @@ def test_a_reply_streams_only_into_the_conversation_on_screen(
     reply = sm.store.messages(story["id"])[-1]["content"]
     assert len(reply) > 10 and "Name one colour" not in page.locator("#chatbot").inner_text()
     expect(page.locator("#chatbot")).to_contain_text(reply.strip()[:30], timeout=10_000)
+    context.close()
+
+
+def plain(text: str) -> str:
+    """A piece of a reply that reads the same rendered as Markdown: its first plain words."""
+    found = re.search(r"[A-Za-z][A-Za-z ,']{5,}", text)
+    return (found.group() if found else text.strip())[:20].strip()
+
+
+def replies_in_tree(sm: object, sid: str, n: int, timeout: float = 300) -> list[str]:
+    """The texts of the conversation's assistant messages, every branch, once there are `n`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        tree = sm.store.message_tree(sid)  # type: ignore[attr-defined]
+        replies = [m["content"] for m in tree if m["role"] == "assistant"]
+        if len(replies) >= n:
+            return replies
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} replies in {sid}")
+
+
+def test_regenerate_keeps_both_replies_and_the_switcher_picks_the_branch_that_goes_on(
+    browser: Browser, server: tuple
+) -> None:
+    url, _, sm = server
+    context = browser.new_context(viewport={"width": 1100, "height": 900})
+    page = context.new_page()
+    page.goto(url + "/")
+    loaded(page)
+    open_settings(page)
+    set_max_tokens(page, 16)  # short replies on a slow CPU
+    page.locator("#message textarea").fill("Name one fruit, please.")
+    page.locator("#send").click()
+    sid = session_titled(sm, "Name one fruit", replies=1)["id"]
+    expect(page.locator("#status")).not_to_contain_text("Replying", timeout=60_000)
+    page.locator("#regenerate").click()
+    first, second = replies_in_tree(sm, sid, 2)
+    switcher = page.locator("#branches")
+    expect(switcher).to_contain_text("2/2", timeout=30_000)
+    expect(switcher.locator("#branch-prev")).to_have_text("‹")
+    expect(switcher.locator("#branch-next")).to_have_text("›")
+    expect(page.locator("#chatbot")).to_contain_text(plain(second), timeout=10_000)
+    page.locator("#branch-prev").click()
+    expect(switcher).to_contain_text("1/2", timeout=20_000)
+    expect(page.locator("#chatbot")).to_contain_text(plain(first), timeout=10_000)
+    if plain(second) not in first:
+        assert plain(second) not in page.locator("#chatbot").inner_text()
+    page.reload()  # the choice is stored: a reload shows the first reply again
+    expect(page.locator("#branches")).to_contain_text("1/2", timeout=30_000)
+    expect(page.locator("#chatbot")).to_contain_text(plain(first), timeout=10_000)
+    open_settings(page)
+    set_max_tokens(page, 16)
+    page.locator("#message textarea").fill("And what colour is it?")
+    page.locator("#send").click()
+    replies_in_tree(sm, sid, 3)
+    path = [m["content"] for m in sm.store.messages(sid)]
+    assert path[:3] == ["Name one fruit, please.", first, "And what colour is it?"]
+    assert len(path) == 4  # the next turn went on from the branch on screen
+    expect(page.locator("#branches")).to_contain_text("1/2", timeout=30_000)
     context.close()
 
 

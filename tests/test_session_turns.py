@@ -109,7 +109,7 @@ def count_writes(sm: object, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return count
 
 
-def test_regenerate_and_edit_replace_the_old_turn_in_one_write_before_the_reply_streams(
+def test_regenerate_and_edit_keep_the_old_turn_as_a_branch_with_one_write_before_streaming(
     nf4_model: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine, sm = make_sessions(nf4_model, tmp_path)
@@ -118,6 +118,7 @@ def test_regenerate_and_edit_replace_the_old_turn_in_one_write_before_the_reply_
         first = sm.chat("u", sid, Q1, FORCED)
         first.result()
         count = count_writes(sm, monkeypatch)
+        shown = [Q1, first.text]
         for start, user_text in (
             (lambda: sm.regenerate("u", sid, FORCED), Q1),
             (lambda: sm.edit_last("u", sid, "Say hello.", FORCED), "Say hello."),
@@ -126,14 +127,19 @@ def test_regenerate_and_edit_replace_the_old_turn_in_one_write_before_the_reply_
             turn = start()
             stream = iter(turn)
             assert next(stream)
-            assert count[0] == 1  # at the first delta, one write has replaced the old turn
-            assert [m["content"] for m in sm.messages("u", sid)] == [user_text]
+            assert count[0] == 1  # at the first delta, one write: the session answers
+            # a regenerate shows the old reply until the new one is written; an edit is
+            # written (a sibling of the original message) before the reply streams
+            expected = shown if user_text == Q1 else [user_text]
+            assert [m["content"] for m in sm.messages("u", sid)] == expected
             for _delta in stream:
                 pass
             assert turn.accepted and count[0] == 2  # plus the reply at its end
             msgs = sm.messages("u", sid)
             assert [m["content"] for m in msgs] == [user_text, turn.text]
             assert sm.get_session("u", sid)["state"] == "resident"
+            shown = [user_text, turn.text]
+        assert len(sm.store.message_tree(sid)) == 5  # the replaced turns are still there
     finally:
         close_sessions(engine, sm)
 

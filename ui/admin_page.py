@@ -11,6 +11,7 @@ from engine import CrowdchatError
 from engine.metrics import EngineStats
 from sessions import SessionManager
 from ui.monitor import Monitor, memory
+from ui.shared_prompts_section import build_shared_prompts
 
 MB = 2**20
 REFRESH_S = 1.5
@@ -274,6 +275,7 @@ def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
             drain_btn = gr.Button("Drain (move new turns off)", size="sm")
             undrain_btn = gr.Button("Undrain", size="sm")
         result = gr.Markdown()
+        build_shared_prompts(sessions)
         outputs = [mem, summary, *lines, table, served, replicas]
         timer = gr.Timer(REFRESH_S)
         timer.tick(refresh, [length], outputs, show_progress="hidden", concurrency_limit=None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from ui.branch_bar import BranchBar
 from ui.chat_page import ChatPage, Screen
 from ui.keys_page import KeysSection, build_keys_section
 
@@ -38,6 +39,10 @@ def build_chat_blocks(
                     buttons=["copy"],
                     placeholder="Say hello to start a conversation.",
                 )
+                with gr.Row(visible=False, elem_id="branches") as branch_row:
+                    prev_btn = gr.Button("‹", size="sm", min_width=40, elem_id="branch-prev")
+                    branch_label = gr.Markdown("", elem_id="branch-label")
+                    next_btn = gr.Button("›", size="sm", min_width=40, elem_id="branch-next")
                 status = gr.Markdown("", elem_id="status")
                 with gr.Row(elem_id="composer"):
                     box = gr.Textbox(
@@ -71,11 +76,19 @@ def build_chat_blocks(
                     build_keys_section(keys, demo)
 
         turn_outputs = [chatbot, status, box, sid, convos, editing]
+        bar = BranchBar(page)
+        bar_outputs = [branch_row, branch_label]
+
+        def then_bar(event: object) -> None:
+            """After the event (a whole streamed turn included), the switcher shows the
+            branches of what is now on screen."""
+            event.then(bar.render, [sid, screen], bar_outputs, concurrency_limit=None)  # type: ignore[attr-defined]
+
         send_inputs = [box, sid, editing, system, temperature, top_p, max_tokens, screen]
         # "multiple": a reply still running in a conversation the user left must not block
         # Send in the one they opened (a second Send in a busy one is refused by the session)
         for trigger in (box.submit, send_btn.click):
-            trigger(
+            sent = trigger(
                 page.on_send,
                 send_inputs,
                 turn_outputs,
@@ -84,7 +97,8 @@ def build_chat_blocks(
                 show_progress="hidden",
                 trigger_mode="multiple",
             )
-        regen_btn.click(
+            then_bar(sent)
+        regenerated = regen_btn.click(
             page.on_regenerate,
             [sid, temperature, top_p, max_tokens, screen],
             turn_outputs,
@@ -93,28 +107,46 @@ def build_chat_blocks(
             show_progress="hidden",
             trigger_mode="multiple",
         )
+        then_bar(regenerated)
+        for btn, handler in ((prev_btn, bar.on_prev), (next_btn, bar.on_next)):
+            btn.click(
+                handler,
+                [sid, screen],
+                [chatbot, status, *bar_outputs],
+                concurrency_limit=None,
+                show_progress="hidden",
+            )
+        chatbot.select(bar.on_pick, [sid, screen], bar_outputs, concurrency_limit=None)
         stop_btn.click(page.on_stop, [sid], None, concurrency_limit=None, show_progress="hidden")
         edit_btn.click(page.on_edit, [sid], [box, editing, status], concurrency_limit=None)
-        new_btn.click(
-            page.on_new, [screen], [sid, chatbot, status, convos, system], concurrency_limit=None
+        then_bar(
+            new_btn.click(
+                page.on_new,
+                [screen],
+                [sid, chatbot, status, convos, system],
+                concurrency_limit=None,
+            )
         )
-        convos.input(
+        selected = convos.input(
             page.on_select,
             [convos, screen],
             [sid, chatbot, status, system],
             concurrency_limit=None,
         )
+        then_bar(selected)
         rename_btn.click(page.on_rename, [sid, title], [convos, title], concurrency_limit=None)
-        delete_btn.click(
+        deleted = delete_btn.click(
             page.on_delete,
             [sid, screen],
             [sid, chatbot, convos, system],
             concurrency_limit=None,
         )
-        demo.load(
+        loaded = demo.load(
             page.on_load,
             [legacy, screen],
             [legacy, convos, sid, chatbot, system],
             concurrency_limit=None,
         )
+        for event in (deleted, loaded):
+            then_bar(event)
     return demo

@@ -36,6 +36,7 @@ class Screen:
     another conversation and stops painting over it."""
 
     sid: str | None = None
+    focus: int | None = None  # the message whose branches the switcher shows
 
 
 class ChatPage:
@@ -181,15 +182,20 @@ class ChatPage:
                 sid = self.sm.create_session(owner, system_prompt=system_prompt or "")["id"]
             else:
                 self.sm.set_system_prompt(owner, sid, system_prompt or "")
+            shown = to_chatbot(self.sm.messages(owner, sid))
             if editing:
                 turn = self.sm.edit_last(owner, sid, message, params)
+                while shown and shown.pop()["role"] != "user":
+                    pass  # the edited message and its replies give way on screen
+                shown.append({"role": "user", "content": message})
             else:
                 turn = self.sm.chat(owner, sid, message, params)
+                shown = to_chatbot(self.sm.messages(owner, sid))
         except CrowdchatError as e:  # the message stays in the box: nothing is lost
             history = to_chatbot(self.sm.messages(owner, sid)) if sid else []
             yield history, f"Error: {e}", gr.update(), sid, gr.update(), editing
             return
-        yield from self._stream(owner, sid, turn, screen, clear_box=True)
+        yield from self._stream(owner, sid, turn, screen, shown, clear_box=True)
 
     def on_regenerate(
         self,
@@ -205,7 +211,10 @@ class ChatPage:
             yield [], "", gr.update(), sid, gr.update(), False
             return
         try:
+            shown = to_chatbot(self.sm.messages(owner, sid))
             turn = self.sm.regenerate(owner, sid, self.params(temperature, top_p, max_tokens))
+            if shown and shown[-1]["role"] == "assistant":
+                shown.pop()  # the new reply streams in its place; the old one stays a branch
         except CrowdchatError as e:
             yield (
                 to_chatbot(self.sm.messages(owner, sid)),
@@ -216,17 +225,23 @@ class ChatPage:
                 False,
             )
             return
-        yield from self._stream(owner, sid, turn, screen, clear_box=False)
+        yield from self._stream(owner, sid, turn, screen, shown, clear_box=False)
 
     def _stream(
-        self, owner: str, sid: str, turn: ChatTurn, screen: Screen, clear_box: bool
+        self,
+        owner: str,
+        sid: str,
+        turn: ChatTurn,
+        screen: Screen,
+        history: list[dict],
+        clear_box: bool,
     ) -> Iterator[tuple]:
         """Run the turn on a thread; yield the growing reply, and the status while waiting.
         Only while `sid` is on screen: after the user opened another conversation the turn
         runs on (and is committed) but every yield changes nothing, not even the tab's sid,
         until they come back. Yielding still lets Gradio close us when the tab goes away."""
         screen.sid = sid
-        history = to_chatbot(self.sm.messages(owner, sid))
+        screen.focus = None  # the switcher follows the newest branch again
         history.append({"role": "assistant", "content": ""})
         box = "" if clear_box else gr.update()
         choices = gr.update(choices=self.choices(owner), value=sid)
@@ -257,6 +272,7 @@ class ChatPage:
                         return
                     case End():
                         note = "Stopped." if turn.finish_reason == "cancelled" else ""
+                        history[:] = to_chatbot(self.sm.messages(owner, sid))  # as stored
                         yield paint(note, convos=gr.update(choices=self.choices(owner), value=sid))
                         return
                     case None:
