@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.fused_proj import fuse_projections
+
 log = logging.getLogger(__name__)
 
 # GGUF's Q4_1 block: a Q4_1 model requantizes without loss (greedy replies equal float32's on
@@ -128,6 +130,12 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
     """Replace the decoder's linears (int4 or int8 per `quant`) and the output projection
     (int8) in place. Returns the kernel's name for the KV fingerprint and the admin page."""
     make = Int4Linear if quant == "nf4" else Int8Linear
+    # q/k/v and gate/up first, each group as one packed matrix (see engine.fused_proj)
+    groups = fuse_projections(
+        model,
+        lambda w: make(w, dense_rows),
+        lambda m: make is not Int4Linear or m.in_features % GROUP_SIZE == 0,
+    )
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -142,5 +150,11 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
             else:
                 setattr(parent, name, make(child.weight, dense_rows))
             swapped += 1
-    log.info("CPU weight-only %s on %d linears (dense above %s rows)", quant, swapped, dense_rows)
+    log.info(
+        "CPU weight-only %s on %d linears + %d fused groups (dense above %s rows)",
+        quant,
+        swapped,
+        groups,
+        dense_rows,
+    )
     return f"torch-int4g{GROUP_SIZE}" if quant == "nf4" else "torch-int8"
