@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+Split = Callable[[nn.Module, torch.Tensor, list[int]], tuple[torch.Tensor, ...]]
+
 # Sibling projections that transformers' decoder layers call on the same input, in this order.
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -27,16 +29,17 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class FusedProjection(nn.Module):
     """The concatenated linear, and its last input and outputs while the parts are served."""
 
-    def __init__(self, linear: nn.Module, sizes: list[int]) -> None:
+    def __init__(self, linear: nn.Module, sizes: list[int], split: Split) -> None:
         super().__init__()
         self.linear = linear
         self.sizes = sizes
+        self.split = split
         self._input: torch.Tensor | None = None
         self._parts: tuple[torch.Tensor, ...] = ()
 
     def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
         if self._input is not x:
-            self._parts = self.linear(x).split(self.sizes, dim=-1)
+            self._parts = self.split(self.linear, x, self.sizes)
             self._input = x
         out = self._parts[i]
         if i == len(self.sizes) - 1:  # the last part in call order: let the step's tensors go
@@ -61,10 +64,14 @@ class ProjectionPart(nn.Module):
 
 
 def fuse_projections(
-    model: nn.Module, make: Callable[[torch.Tensor], nn.Module], fits: Callable[[nn.Linear], bool]
+    model: nn.Module,
+    make: Callable[[torch.Tensor], nn.Module],
+    split: Split,
+    fits: Callable[[nn.Linear], bool],
 ) -> int:
     """Replace each group of bias-free sibling linears of `GROUPS` that `fits` accepts by parts
-    of one linear built by `make` from their concatenated weights. Returns the groups fused."""
+    of one linear built by `make` from their concatenated weights, computed by `split`
+    (`split(linear, x, sizes)`: the parts' outputs). Returns the groups fused."""
     fused = 0
     for parent in list(model.modules()):
         for names in GROUPS:
@@ -74,7 +81,7 @@ def fuse_projections(
             if len({m.in_features for m in linears}) != 1:
                 continue
             weight = torch.cat([m.weight.detach() for m in linears])
-            group = FusedProjection(make(weight), [m.out_features for m in linears])
+            group = FusedProjection(make(weight), [m.out_features for m in linears], split)
             parent.register_module("_".join(n.removesuffix("_proj") for n in names), group)
             for i, n in enumerate(names):
                 setattr(parent, n, ProjectionPart(group, i))
