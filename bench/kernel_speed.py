@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import Engine, EngineConfig, SamplingParams, cpu_quant, model_runner  # noqa: E402
+from engine import Engine, EngineConfig, SamplingParams, cpu_quant, fused_proj, model_runner  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.scheduler import StepPlan  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
@@ -51,19 +51,19 @@ def load(mode: dict, data_dir: Path) -> Engine:
     config = EngineConfig(data_dir=data_dir, kv_budget_mb=256, **settings)  # type: ignore[arg-type]
     available, fuse, norms = (
         cpu_quant.available,
-        cpu_quant.fuse_projections,
+        fused_proj.fuse_projections,
         model_runner.fuse_norms,
     )
     if mode.get("bnb"):
         cpu_quant.available = lambda: False  # the loader then takes bitsandbytes
     if mode.get("unfused"):
-        cpu_quant.fuse_projections = lambda *a: 0
+        fused_proj.fuse_projections = lambda *a: 0
         model_runner.fuse_norms = lambda *a: 0
     try:
         loaded = load_model(config)
         engine = Engine(config, loaded)
     finally:
-        cpu_quant.available, cpu_quant.fuse_projections = available, fuse
+        cpu_quant.available, fused_proj.fuse_projections = available, fuse
         model_runner.fuse_norms = norms
     engine.shutdown()  # drive the runner on this thread
     return engine
