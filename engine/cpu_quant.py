@@ -110,6 +110,18 @@ def _like_kernel(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(KERNEL_DTYPE).to(x.dtype), dense).to(KERNEL_DTYPE).to(x.dtype)
 
 
+def split_forward(linear: nn.Module, x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    """`linear(x)` split into `sizes` along the output. On the packed kernel one call computes
+    every part (bitwise what separate matrices give); on the dense copy each part is its own
+    matmul, because oneDNN blocks a bf16 GEMM by its width too and a wider one can round
+    differently (measured: 1 bf16 ulp at 237 rows), while at many rows a call's overhead is
+    nothing next to its arithmetic."""
+    dense = getattr(linear, "dense", None)
+    if dense is not None and x.numel() // linear.in_features > linear.dense_rows:
+        return tuple(_like_kernel(x, w) for w in dense.split(sizes))
+    return linear(x).split(sizes, dim=-1)
+
+
 def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
     """The smallest bfloat16 values >= x (and > 0), as float32."""
     x = x.clamp(min=1e-10)
@@ -127,7 +139,16 @@ def available() -> bool:
 def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
     """Replace the decoder's linears (int4 or int8 per `quant`) and the output projection
     (int8) in place. Returns the kernel's name for the KV fingerprint and the admin page."""
+    from engine.fused_proj import fuse_projections  # it builds on this module's linears
+
     make = Int4Linear if quant == "nf4" else Int8Linear
+    # q/k/v and gate/up first, each group as one packed matrix (see engine.fused_proj)
+    groups = fuse_projections(
+        model,
+        lambda w: make(w, dense_rows),
+        split_forward,
+        lambda m: make is not Int4Linear or m.in_features % GROUP_SIZE == 0,
+    )
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -142,5 +163,11 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
             else:
                 setattr(parent, name, make(child.weight, dense_rows))
             swapped += 1
-    log.info("CPU weight-only %s on %d linears (dense above %s rows)", quant, swapped, dense_rows)
+    log.info(
+        "CPU weight-only %s on %d linears + %d fused groups (dense above %s rows)",
+        quant,
+        swapped,
+        groups,
+        dense_rows,
+    )
     return f"torch-int4g{GROUP_SIZE}" if quant == "nf4" else "torch-int8"

@@ -84,3 +84,41 @@ def test_a_q4_1_gguf_requantizes_to_int4_without_loss(fp32_model: LoadedModel) -
     assert packed.group_size == 32
     err = (packed.dense.float() - dense).norm() / dense.norm()
     assert err < 0.01, err
+
+
+@pytest.mark.parametrize("make", [Int4Linear, Int8Linear])
+def test_fused_projections_compute_exactly_what_separate_ones_do(make: type) -> None:
+    """q/k/v (and gate/up) quantized as one matrix give bitwise the separate layers' outputs,
+    on the packed kernel (<= 16 rows) and the dense copy (more), in any call order."""
+    from engine.fused_proj import FusedProjection, ProjectionPart, fuse_projections
+
+    gen = torch.Generator().manual_seed(5)
+    parent = torch.nn.Module()
+    sizes = {"q_proj": 576, "k_proj": 192, "v_proj": 192}  # the embedded model's
+    for name, n in sizes.items():
+        lin = torch.nn.Linear(576, n, bias=False)
+        lin.weight.data = (torch.randn(n, 576, generator=gen) * 0.05).bfloat16()
+        setattr(parent, name, lin)
+    separate = {n: make(getattr(parent, n).weight, 16) for n in sizes}
+    fits = lambda m: True  # noqa: E731
+    assert fuse_projections(parent, lambda w: make(w, 16), cpu_quant.split_forward, fits) == 1
+    assert isinstance(parent.q_proj, ProjectionPart)
+    assert sum(isinstance(m, FusedProjection) for m in parent.modules()) == 1
+    # 237 rows: one dense matmul of the fused width rounded 1 ulp off the separate ones
+    for rows in (1, 16, 17, 237, 500):
+        x = torch.randn(1, rows, 576, generator=gen).bfloat16()
+        for order in (["q_proj", "k_proj", "v_proj"], ["v_proj", "q_proj", "k_proj"]):
+            for n in order:
+                assert torch.equal(getattr(parent, n)(x), separate[n](x)), (rows, n)
+    for n in sizes:  # in transformers' order, the last part lets the step's tensors go
+        getattr(parent, n)(x)
+    assert parent.q_k_v._input is None
+
+
+def test_the_default_model_makes_four_kernel_calls_per_layer(nf4_model: LoadedModel) -> None:
+    """q/k/v fused, o, gate/up fused, down: 120 weight kernels a token instead of 210."""
+    if nf4_model.device.type != "cpu":
+        pytest.skip("CUDA keeps bitsandbytes")
+    layers = nf4_model.model.model.layers
+    kernels = [m for m in layers.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert len(kernels) == 4 * len(layers)

@@ -1,0 +1,89 @@
+"""One weight-only kernel call for projections that read the same input (q/k/v, gate/up).
+
+At one row a step is mostly per-call overhead, not arithmetic: the int4 kernel takes ~28 us a
+call whatever its width, and the embedded model makes 210 of them a token. Quantizing the
+concatenated weights of q/k/v (and of gate/up) makes one packed matrix with exactly the same
+4-bit values and scales (groups run along each output row), and the kernel computes each output
+column the same way whatever the matrix's width (checked bitwise in tests/test_cpu_quant.py),
+so fusing changes no result: it only cuts 210 calls to 120.
+
+transformers' model code still calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)` one after the other
+on the same tensor; each becomes a `ProjectionPart` of one `FusedProjection`, which computes all
+parts on the first call and hands out the others' slices while the input is the same object.
+Any other order or input is still correct, only slower (it recomputes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+Split = Callable[[nn.Module, torch.Tensor, list[int]], tuple[torch.Tensor, ...]]
+
+# Sibling projections that transformers' decoder layers call on the same input, in this order.
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedProjection(nn.Module):
+    """The concatenated linear, and its last input and outputs while the parts are served."""
+
+    def __init__(self, linear: nn.Module, sizes: list[int], split: Split) -> None:
+        super().__init__()
+        self.linear = linear
+        self.sizes = sizes
+        self.split = split
+        self._input: torch.Tensor | None = None
+        self._parts: tuple[torch.Tensor, ...] = ()
+
+    def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        if self._input is not x:
+            self._parts = self.split(self.linear, x, self.sizes)
+            self._input = x
+        out = self._parts[i]
+        if i == len(self.sizes) - 1:  # the last part in call order: let the step's tensors go
+            self._input, self._parts = None, ()
+        return out
+
+
+class ProjectionPart(nn.Module):
+    """What `q_proj` (or `k_proj`, ...) becomes: part `index` of a fused projection."""
+
+    def __init__(self, fused: FusedProjection, index: int) -> None:
+        super().__init__()
+        self.in_features = fused.linear.in_features
+        self.out_features = fused.sizes[index]
+        self.index = index
+        # a plain attribute, not a submodule: the fused weights are registered once, on the
+        # parent, and `model.modules()` does not walk them three times
+        self.__dict__["fused"] = fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.part(x, self.index)
+
+
+def fuse_projections(
+    model: nn.Module,
+    make: Callable[[torch.Tensor], nn.Module],
+    split: Split,
+    fits: Callable[[nn.Linear], bool],
+) -> int:
+    """Replace each group of bias-free sibling linears of `GROUPS` that `fits` accepts by parts
+    of one linear built by `make` from their concatenated weights, computed by `split`
+    (`split(linear, x, sizes)`: the parts' outputs). Returns the groups fused."""
+    fused = 0
+    for parent in list(model.modules()):
+        for names in GROUPS:
+            linears = [getattr(parent, n, None) for n in names]
+            if not all(type(m) is nn.Linear and m.bias is None and fits(m) for m in linears):
+                continue
+            if len({m.in_features for m in linears}) != 1:
+                continue
+            weight = torch.cat([m.weight.detach() for m in linears])
+            group = FusedProjection(make(weight), [m.out_features for m in linears], split)
+            parent.register_module("_".join(n.removesuffix("_proj") for n in names), group)
+            for i, n in enumerate(names):
+                setattr(parent, n, ProjectionPart(group, i))
+            fused += 1
+    return fused
