@@ -51,12 +51,12 @@ def measure(front: Front, users: int, turns: int, tokens: int, stateless: bool) 
 
 
 def profile(pid: int, seconds: float, out: Path) -> subprocess.Popen | None:
-    """py-spy (if installed) records `pid` for `seconds` into `out` (raw, collapsed stacks)."""
+    """py-spy (if installed) records `pid` (GIL holders only: CPU, not waits) for `seconds` into `out` (raw, collapsed stacks)."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
         print(json.dumps({"profile": "py-spy not installed"}), flush=True)
         return None
-    cmd = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "50", "-f", "raw"]
+    cmd = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "50", "-f", "raw", "--gil"]
     return subprocess.Popen([*cmd, "-o", str(out)], stdout=subprocess.DEVNULL)
 
 
