@@ -51,7 +51,8 @@ def measure(front: Front, users: int, turns: int, tokens: int, stateless: bool) 
 
 
 def profile(pid: int, seconds: float, out: Path) -> subprocess.Popen | None:
-    """py-spy (if installed) records `pid` (GIL holders only: CPU, not waits) for `seconds` into `out` (raw, collapsed stacks)."""
+    """py-spy (if installed) records `pid` for `seconds` into `out` (raw, collapsed stacks),
+    GIL holders only: a thread blocked in C (a queue's get) would otherwise look busy."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
         print(json.dumps({"profile": "py-spy not installed"}), flush=True)
