@@ -3,14 +3,16 @@
 Deltas are handed over in batches: the producer (the engine thread, or the upstream's asyncio
 loop) appends to a list under a lock and wakes the reader only when the list was empty, so a
 reader that is slower than the tokens wakes once for everything that arrived meanwhile. A
-thread reads with `for delta in handle`; an asyncio reader awaits `next_batch()` and is woken
-by one `call_soon_threadsafe` per batch, with no thread of its own.
+thread reads with `for delta in handle`; an asyncio reader awaits `next_batch()`, with no
+thread of its own: the handles read on one loop share one `call_soon_threadsafe` for all
+that became ready while the loop was busy (an engine step's tokens for 32 streams: one).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -27,6 +29,47 @@ class _Finished:
     reason: FinishReason
     error: str | None
     kind: type[CrowdchatError] = RequestFailed
+
+
+class _LoopWaker:
+    """Sets the events of an asyncio loop's ready readers, from any thread, with one
+    `call_soon_threadsafe` for every event that became ready before the loop got to it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._ready: list[asyncio.Event] = []
+
+    def wake(self, event: asyncio.Event) -> None:
+        with self._lock:
+            self._ready.append(event)
+            if len(self._ready) > 1:
+                return  # a flush is on its way
+        try:
+            self._loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the reader's loop closed (server shutdown): nobody listens
+            with self._lock:
+                self._ready.clear()
+
+    def _flush(self) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for event in ready:
+            event.set()
+
+
+_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker] = (
+    weakref.WeakKeyDictionary()
+)
+_wakers_lock = threading.Lock()
+
+
+def _waker_of(loop: asyncio.AbstractEventLoop) -> _LoopWaker:
+    with _wakers_lock:
+        waker = _wakers.get(loop)
+        if waker is None:
+            waker = _wakers[loop] = _LoopWaker(loop)
+        return waker
 
 
 class RequestHandle:
@@ -47,7 +90,7 @@ class RequestHandle:
         self._ready = threading.Condition(threading.Lock())  # guards the four fields below
         self._pending: list[str] = []  # deltas the reader has not taken yet
         self._end: _Finished | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # an asyncio reader's loop
+        self._waker: _LoopWaker | None = None  # an asyncio reader's loop's
         self._woken: asyncio.Event | None = None  # set (on that loop) when a batch is ready
         self._done = threading.Event()
 
@@ -80,11 +123,8 @@ class RequestHandle:
     def _wake(self) -> None:
         """Under the lock: tell the reader (a waiting thread, or an asyncio loop)."""
         self._ready.notify()
-        if self._loop is not None and self._woken is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._woken.set)
-            except RuntimeError:  # the reader's loop closed (server shutdown)
-                self._loop = None
+        if self._waker is not None and self._woken is not None:
+            self._waker.wake(self._woken)
 
     # -- reader side ----------------------------------------------------------------------
     @property
@@ -132,8 +172,11 @@ class RequestHandle:
         '' once the request ended. Raises like iteration. Safe to cancel: nothing is lost."""
         while True:
             with self._ready:
-                if self._loop is None:
-                    self._loop, self._woken = asyncio.get_running_loop(), asyncio.Event()
+                if self._waker is None:
+                    self._waker, self._woken = (
+                        _waker_of(asyncio.get_running_loop()),
+                        asyncio.Event(),
+                    )
                 text = self._take()
                 if text is None:
                     self._woken.clear()  # the next delta sets it (from the producer's thread)
