@@ -1,7 +1,6 @@
 """crowdchat's HTTP API: OpenAI-compatible chat completions and Prometheus metrics.
 
-Others use the two routers; the rest (request parsing, the error table, the asyncio end of the
-reply relay) serves them."""
+Others use the two routers; the rest (request parsing, the error table) serves them."""
 
 from __future__ import annotations
 

@@ -1,9 +1,18 @@
-"""What `Engine.submit` returns: a thread-safe stream of text deltas with a finish reason."""
+"""What `Engine.submit` returns: a thread-safe stream of text deltas with a finish reason.
+
+Deltas are handed over in batches: the producer (the engine thread, or the upstream's asyncio
+loop) appends to a list under a lock and wakes the reader only when the list was empty, so a
+reader that is slower than the tokens wakes once for everything that arrived meanwhile. A
+thread reads with `for delta in handle`; an asyncio reader awaits `next_batch()`, with no
+thread of its own: the handles read on one loop share one `call_soon_threadsafe` for all
+that became ready while the loop was busy (an engine step's tokens for 32 streams: one).
+"""
 
 from __future__ import annotations
 
-import queue
+import asyncio
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -22,13 +31,55 @@ class _Finished:
     kind: type[CrowdchatError] = RequestFailed
 
 
+class _LoopWaker:
+    """Sets the events of an asyncio loop's ready readers, from any thread, with one
+    `call_soon_threadsafe` for every event that became ready before the loop got to it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._ready: list[asyncio.Event] = []
+
+    def wake(self, event: asyncio.Event) -> None:
+        with self._lock:
+            self._ready.append(event)
+            if len(self._ready) > 1:
+                return  # a flush is on its way
+        try:
+            self._loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the reader's loop closed (server shutdown): nobody listens
+            with self._lock:
+                self._ready.clear()
+
+    def _flush(self) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for event in ready:
+            event.set()
+
+
+_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker] = (
+    weakref.WeakKeyDictionary()
+)
+_wakers_lock = threading.Lock()
+
+
+def _waker_of(loop: asyncio.AbstractEventLoop) -> _LoopWaker:
+    with _wakers_lock:
+        waker = _wakers.get(loop)
+        if waker is None:
+            waker = _wakers[loop] = _LoopWaker(loop)
+        return waker
+
+
 class RequestHandle:
-    """Iterate it for text deltas; `cancel()` from any thread; read the result after it ends."""
+    """Iterate it (or await `next_batch`) for text deltas; `cancel()` from any thread; read
+    the result after it ends."""
 
     def __init__(self, seq_id: int, num_prompt_tokens: int, cancel: Callable[[int], None]) -> None:
         self.seq_id = seq_id
         self.num_prompt_tokens = num_prompt_tokens
-        self.token_ids: list[int] = []  # generated so far (written by the engine thread)
+        self.token_ids: list[int] = []  # generated so far (written by the producer)
         self.text = ""
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
@@ -36,13 +87,22 @@ class RequestHandle:
         self.num_hit_tokens = 0  # of them, found by the prefix cache (not the owner's own KV)
         self.admitted = False  # reached the running batch (else its prompt was never computed)
         self._cancel = cancel
-        self._events: queue.SimpleQueue[str | _Finished] = queue.SimpleQueue()
+        self._ready = threading.Condition(threading.Lock())  # guards the four fields below
+        self._pending: list[str] = []  # deltas the reader has not taken yet
+        self._end: _Finished | None = None
+        self._waker: _LoopWaker | None = None  # an asyncio reader's loop's
+        self._woken: asyncio.Event | None = None  # set (on that loop) when a batch is ready
         self._done = threading.Event()
 
-    # -- engine side ----------------------------------------------------------------------
+    # -- producer side --------------------------------------------------------------------
     def _push(self, delta: str) -> None:
-        if delta:
-            self._events.put(delta)
+        if not delta:
+            return
+        with self._ready:
+            self._pending.append(delta)
+            if len(self._pending) > 1:
+                return  # the reader was told when the batch began
+            self._wake()
 
     def _finish(
         self,
@@ -52,13 +112,21 @@ class RequestHandle:
     ) -> None:
         """End the stream; an ERROR finish raises `kind(error)` to the reader (an upstream's
         400 is an InvalidRequest, an unreachable one EngineStopped, like the engine's own)."""
-        if self._done.is_set():
-            return
-        self.finish_reason, self.error = reason, error
-        self._done.set()
-        self._events.put(_Finished(reason, error, kind))
+        with self._ready:
+            if self._done.is_set():
+                return
+            self.finish_reason, self.error = reason, error
+            self._end = _Finished(reason, error, kind)
+            self._done.set()
+            self._wake()
 
-    # -- caller side ----------------------------------------------------------------------
+    def _wake(self) -> None:
+        """Under the lock: tell the reader (a waiting thread, or an asyncio loop)."""
+        self._ready.notify()
+        if self._waker is not None and self._woken is not None:
+            self._waker.wake(self._woken)
+
+    # -- reader side ----------------------------------------------------------------------
     @property
     def done(self) -> bool:
         return self._done.is_set()
@@ -72,16 +140,49 @@ class RequestHandle:
         if not self._done.is_set():
             self._cancel(self.seq_id)
 
+    def _take(self) -> str | None:
+        """Under the lock: every pending delta joined, or None if there is none; at the end
+        (nothing pending) raises the error finish or returns ''."""
+        if self._pending:
+            text = "".join(self._pending)
+            self._pending.clear()
+            self.text += text
+            return text
+        if self._end is None:
+            return None
+        if self._end.reason is FinishReason.ERROR:
+            raise self._end.kind(self._end.error or "request failed")
+        return ""
+
     def __iter__(self) -> Iterator[str]:
-        """Yield text deltas until the request ends. Raises RequestFailed on an error finish."""
+        """Yield text (each time everything that arrived since the last) until the request
+        ends. Raises RequestFailed (or the finish's kind) on an error finish."""
         while True:
-            event = self._events.get()
-            if isinstance(event, _Finished):
-                if event.reason is FinishReason.ERROR:
-                    raise event.kind(event.error or "request failed")
+            with self._ready:
+                text = self._take()
+                while text is None:
+                    self._ready.wait()
+                    text = self._take()
+            if not text:
                 return
-            self.text += event
-            yield event
+            yield text
+
+    async def next_batch(self) -> str:
+        """Everything that arrived since the last call, joined (waits for at least one delta);
+        '' once the request ended. Raises like iteration. Safe to cancel: nothing is lost."""
+        while True:
+            with self._ready:
+                if self._waker is None:
+                    self._waker, self._woken = (
+                        _waker_of(asyncio.get_running_loop()),
+                        asyncio.Event(),
+                    )
+                text = self._take()
+                if text is None:
+                    self._woken.clear()  # the next delta sets it (from the producer's thread)
+            if text is not None:
+                return text
+            await self._woken.wait()
 
     def result(self) -> str:
         """Consume the stream and return the whole reply text."""

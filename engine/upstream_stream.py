@@ -94,6 +94,7 @@ async def stream_turn(
     received kept. A cancel (CancelledError) leaves `client.stream`, which closes the
     connection: vLLM aborts a request whose connection closed."""
     first_token_s, idle_s = timeouts
+    slack = min(idle_s / 20, 1.0)
     loop = asyncio.get_running_loop()
     started = last = time.monotonic()
     streamed, reason, usage = False, FinishReason.STOP, None
@@ -133,7 +134,13 @@ async def stream_turn(
                             metrics.record_tokens(now, len(ids) or 1)
                             streamed, last = True, now
                         reason = FINISH.get(choice.get("finish_reason") or "", reason)
-                    deadline.reschedule(loop.time() + idle_s)
+                    # a timer cancelled and re-made per token was a measurable share of the
+                    # relay's CPU: move it only when it falls short of idle_s from now (or is
+                    # far beyond, the first token's), to `slack` past that: a silent stream
+                    # fails after idle_s to idle_s + slack, never sooner
+                    target, when = loop.time() + idle_s, deadline.when() or 0.0
+                    if target > when or target < when - 2 * slack:
+                        deadline.reschedule(target + slack)
     except TimeoutError:
         why = f"no token for {idle_s:.0f} s" if streamed else f"no answer in {first_token_s:.0f} s"
         router.done(replica, True)  # slow is not down: the health check decides that

@@ -6,13 +6,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Protocol, runtime_checkable
 
-from engine import RequestHandle
+from engine import CrowdchatError, RequestHandle
 
 
 @runtime_checkable
 class Reply(Protocol):
     """Iterate for text deltas (errors surface as CrowdchatError); `cancel()` from any thread;
-    read the outcome once the iteration ended."""
+    read the outcome once the iteration ended.
+
+    Iteration is `stream(reply)`: `open()` (blocking: a session's KV restore, the submit),
+    the handle's deltas each handed to `record`, an error to `fail`, then `close()` (blocking:
+    the commit), exactly once. An asyncio reader (sessions.relay.AsyncRelay) runs the same
+    steps, the blocking ones on a worker thread and the deltas on its loop."""
 
     @property
     def finish_reason(self) -> str | None: ...  # stop / length / cancelled / error
@@ -41,7 +46,35 @@ class Reply(Protocol):
 
     def cancel(self) -> None: ...
 
+    def open(self) -> RequestHandle | None:
+        """Start the reply (blocks): the engine's handle, or None if cancelled before that."""
+
+    def record(self, text: str) -> None:
+        """Text the reader took (on the reader's thread or loop)."""
+
+    def fail(self, error: CrowdchatError) -> None:
+        """The reply failed with `error` (before `close`)."""
+
+    def close(self) -> None:
+        """End the reply (blocks): cancel an unfinished handle, commit; once, after `open`."""
+
     def __iter__(self) -> Iterator[str]: ...
+
+
+def stream(reply: Reply) -> Iterator[str]:
+    """A reply's deltas for a reader on a thread: open, each batch of text, fail, close."""
+    try:
+        handle = reply.open()
+        if handle is None:
+            return
+        for text in handle:
+            reply.record(text)
+            yield text
+    except CrowdchatError as e:
+        reply.fail(e)
+        raise
+    finally:
+        reply.close()
 
 
 def kv_source(reply: Reply) -> str | None:
@@ -96,12 +129,21 @@ class OneOffReply:
     def cancel(self) -> None:
         self.handle.cancel()
 
+    def open(self) -> RequestHandle:
+        return self.handle  # submitted already
+
+    def record(self, text: str) -> None:
+        pass  # the handle keeps its text
+
+    def fail(self, error: CrowdchatError) -> None:
+        pass  # the handle keeps its error
+
+    def close(self) -> None:
+        if not self.handle.done:
+            self.handle.cancel()  # the reader went away mid-stream
+        if self._on_end is not None:
+            on_end, self._on_end = self._on_end, None
+            on_end(self)
+
     def __iter__(self) -> Iterator[str]:
-        try:
-            yield from self.handle
-        finally:
-            if not self.handle.done:
-                self.handle.cancel()  # the reader went away mid-stream
-            if self._on_end is not None:
-                on_end, self._on_end = self._on_end, None
-                on_end(self)
+        return stream(self)

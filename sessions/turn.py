@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable, Iterator
 
 from engine import CrowdchatError, RequestHandle, SamplingParams
+from sessions.reply import stream
 
 log = logging.getLogger(__name__)
 
@@ -87,37 +88,44 @@ class ChatTurn:
         if self.handle is not None:
             self.handle.cancel()
 
-    def __iter__(self) -> Iterator[str]:
+    def open(self) -> RequestHandle | None:
+        """Restore the KV, submit, accept (blocks); None if cancelled before the submit."""
         assert not self._started, "a turn streams once"
         self._started = True
-        try:
-            self.restored_from = self._restore()
-            if self._cancelled:
-                self.finish_reason = "cancelled"
-                return
-            self.status = "queued"
-            self.handle = self._submit(self.prompt, self.params)
-            if self._on_accept is not None:
-                self._on_accept(self)
-            self.accepted = True
-            for delta in self.handle:
-                self.status = "generating"
-                self.text += delta
-                yield delta
+        self.restored_from = self._restore()
+        if self._cancelled:
+            self.finish_reason = "cancelled"
+            return None
+        self.status = "queued"
+        self.handle = self._submit(self.prompt, self.params)
+        if self._on_accept is not None:
+            self._on_accept(self)
+        self.accepted = True
+        return self.handle
+
+    def record(self, text: str) -> None:
+        self.status = "generating"
+        self.text += text
+
+    def fail(self, error: CrowdchatError) -> None:
+        self.error = str(error)
+        self.finish_reason = "error"
+
+    def close(self) -> None:
+        """Commit the reply (also a stopped or failed one) and free the session."""
+        if self.handle is not None and not self.handle.done:
+            self.handle.cancel()  # the consumer went away mid-stream
+            self.finish_reason = self.finish_reason or "cancelled"
+        elif self.handle is not None and self.finish_reason is None:
             self.finish_reason = str(self.handle.finish_reason)
-        except CrowdchatError as e:
-            self.error = str(e)
-            self.finish_reason = "error"
-            raise
-        finally:
-            if self.handle is not None and not self.handle.done:
-                self.handle.cancel()  # the consumer went away mid-stream
-                self.finish_reason = self.finish_reason or "cancelled"
-            self.status = "done"
-            try:
-                self._on_end(self)
-            except RuntimeError as e:  # the store closed under an abandoned stream
-                log.warning("reply of session %s not saved: %s", self.session_id, e)
+        self.status = "done"
+        try:
+            self._on_end(self)
+        except RuntimeError as e:  # the store closed under an abandoned stream
+            log.warning("reply of session %s not saved: %s", self.session_id, e)
+
+    def __iter__(self) -> Iterator[str]:
+        return stream(self)
 
     def result(self) -> str:
         """Consume the whole turn and return the reply text."""

@@ -116,7 +116,7 @@ def test_a_turn_that_fails_reports_the_error_and_still_ends() -> None:
 def test_a_one_off_reply_is_a_reply_without_a_session() -> None:
     reply = OneOffReply(finished_handle(["a", "b"], FinishReason.LENGTH), lambda _h: 3)
     assert isinstance(reply, Reply) and reply.restored_from is None
-    assert list(reply) == ["a", "b"] and reply.queue_position() == 3
+    assert "".join(reply) == "ab" and reply.queue_position() == 3
     assert (str(reply.finish_reason), reply.num_prompt_tokens, reply.num_generated_tokens) == (
         "length",
         7,
