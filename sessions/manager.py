@@ -18,7 +18,7 @@ from engine import Backend, InvalidRequest, SamplingParams
 from engine.chat_format import ChatFormatter
 from sessions.admin import SessionFacts, SessionStats, session_facts, session_stats
 from sessions.admission import Admission, Ticket, cost, prompt_to_compute
-from sessions.branches import siblings
+from sessions.branch_turns import BranchTurns
 from sessions.config import SessionConfig
 from sessions.errors import SessionBusy, SessionNotFound
 from sessions.prompt import Message, PromptEncoder, clean_messages, clean_text, conversation
@@ -35,7 +35,7 @@ TITLE_CHARS = 60
 ADMIN_ROWS = 200  # sessions the admin page lists, most recently active first
 
 
-class SessionManager:
+class SessionManager(BranchTurns):
     """Create, list, rename and delete an owner's sessions; chat in them; answer one-off
     requests; and move idle sessions' KV to disk and back. Every call checks the owner."""
 
@@ -165,73 +165,6 @@ class SessionManager:
             mid = self.store.add_message(sid, "user", text, parent_id=parent, session_fields=update)
             return self._start(sid, prompt, params, session, ticket, reply_parent=mid)
 
-    def regenerate(self, owner: str, sid: str, params: SamplingParams) -> ChatTurn:
-        """Answer the last message of the active path again. The new reply becomes a sibling
-        branch of the old one, which stays (`switch_branch` shows it again)."""
-        self.get_session(owner, sid)
-        params = self.admission.clamp(params)
-        with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
-            history = self.store.messages(sid)
-            if history and history[-1]["role"] == "assistant":
-                history.pop()
-            if not history or history[-1]["role"] != "user":
-                raise InvalidRequest("there is no message to answer again")
-            convo = conversation(session, history, self.default_system)
-            prompt = self.prompts.encode_fitting(convo, params)
-            self.admission.reserve(ticket, prompt_to_compute(session, prompt), params)
-            return self._start(
-                sid, prompt, params, session, ticket, self._mark_active, history[-1]["id"]
-            )
-
-    def edit(
-        self, owner: str, sid: str, message_id: int, text: str, params: SamplingParams
-    ) -> ChatTurn:
-        """Answer an edited version of one of the user's messages on the active path. The
-        edit is a sibling branch of the original (which stays, with everything after it),
-        written once the engine accepted the new request."""
-        self.get_session(owner, sid)
-        text = clean_text(text, self.config.max_message_chars)
-        params = self.admission.clamp(params)
-        with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
-            history = self.store.messages(sid)
-            at = next((i for i, m in enumerate(history) if m["id"] == message_id), None)
-            if at is None or history[at]["role"] != "user":
-                raise InvalidRequest(
-                    "only your own messages in the conversation shown can be edited"
-                )
-            convo = [
-                *conversation(session, history[:at], self.default_system),
-                {"role": "user", "content": text},
-            ]
-            prompt = self.prompts.encode_fitting(convo, params)
-            self.admission.reserve(ticket, prompt_to_compute(session, prompt), params)
-            accept = functools.partial(self._add_edit, parent=history[at]["parent_id"], text=text)
-            return self._start(sid, prompt, params, session, ticket, on_accept=accept)
-
-    def edit_last(self, owner: str, sid: str, text: str, params: SamplingParams) -> ChatTurn:
-        """`edit` the last user message of the active path."""
-        users = [m for m in self.messages(owner, sid) if m["role"] == "user"]
-        if not users:
-            raise InvalidRequest("there is no message to edit")
-        return self.edit(owner, sid, users[-1]["id"], text, params)
-
-    def switch_branch(self, owner: str, sid: str, message_id: int, step: int) -> int:
-        """Show the sibling `step` places from `message_id` (clamped to the first and last
-        branch) and return its id: the active path, the next turn and the API's view then
-        follow it. SessionBusy while the conversation answers; nothing is deleted."""
-        self.get_session(owner, sid)
-        with self._claimed(sid):
-            try:
-                group = siblings(self.store.message_tree(sid), message_id)
-                if not group:
-                    raise InvalidRequest("no such message in this conversation")
-                at = next(i for i, m in enumerate(group) if m["id"] == message_id)
-                target = group[max(0, min(len(group) - 1, at + step))]["id"]
-                self.store.select_message(sid, target, {"last_active": time.time()})
-            finally:
-                self._release(sid)
-        return target
-
     def prefetch(self, owner: str, sid: str) -> None:
         """The user opened this conversation: bring its KV back while they type."""
         self.residency.prefetch(sid, self.get_session(owner, sid)["state"])
@@ -338,23 +271,6 @@ class SessionManager:
         turn.reply_parent = reply_parent
         self._active[sid] = turn
         return turn
-
-    def _mark_active(self, turn: ChatTurn) -> None:
-        """The engine took a regenerate: the session answers (the old reply stays)."""
-        self.store.update_session(
-            turn.session_id, state=SessionState.ACTIVE, last_active=time.time()
-        )
-
-    def _add_edit(self, turn: ChatTurn, parent: int | None, text: str) -> None:
-        """The engine took an edit: the new message is written as a sibling branch of the
-        old one (now the active path) before the reply streams; the reply follows it."""
-        turn.reply_parent = self.store.add_message(
-            turn.session_id,
-            "user",
-            text,
-            parent_id=parent,
-            session_fields={"state": SessionState.ACTIVE, "last_active": time.time()},
-        )
 
     def _end_one_off(self, reply: OneOffReply, ticket: Ticket) -> None:
         self.admission.end(ticket, cost(reply.handle))
