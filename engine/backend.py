@@ -92,6 +92,24 @@ class Backend(Protocol):
     def shutdown(self, timeout: float = 10.0) -> None: ...
 
 
+class ConfigFacts:
+    """The protocol's facts that both backends read straight from their `EngineConfig`."""
+
+    config: EngineConfig
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    @property
+    def max_queue(self) -> int:
+        return self.config.max_queue
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+
 def open_backend(config: EngineConfig) -> Backend:
     """The upstream backend with --engine-url, else the built-in engine (loads the model)."""
     if config.urls():

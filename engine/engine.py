@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from engine.backend import ConfigFacts
 from engine.block_pool import BlockPool
 from engine.budget import TokenBudget
 from engine.config import EngineConfig
@@ -37,7 +38,7 @@ T = TypeVar("T")
 IDLE_WAIT_S = 0.5
 
 
-class Engine:
+class Engine(ConfigFacts):
     """One model, one KV pool, one background thread doing continuous batching.
 
     Thread-safe: `submit`, `cancel` (through the handle), `stats`, the resident-KV calls and
@@ -161,18 +162,6 @@ class Engine:
     @property
     def model_id(self) -> str:
         return self.loaded.model_id
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.config.max_num_seqs
-
-    @property
-    def max_queue(self) -> int:
-        return self.config.max_queue
-
-    @property
-    def block_size(self) -> int:
-        return self.config.block_size
 
     @property
     def kv_fingerprint(self) -> dict[str, str | int]:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import httpx
 from transformers import PreTrainedTokenizerBase
 
+from engine.backend import ConfigFacts
 from engine.config import EngineConfig
 from engine.errors import EngineStopped, ModelLoadError, ServerBusy
 from engine.handle import RequestHandle
@@ -36,7 +37,7 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request a
 T = TypeVar("T")
 
 
-class UpstreamBackend:
+class UpstreamBackend(ConfigFacts):
     """crowdchat's sessions, pages and API over remote engines. Thread-safe like `Engine`."""
 
     keeps_kv = False  # the upstream's prefix cache (and KV offloading) keeps sessions' KV
@@ -84,18 +85,6 @@ class UpstreamBackend:
     @property
     def model_id(self) -> str:
         return self._model_id
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.config.max_num_seqs
-
-    @property
-    def max_queue(self) -> int:
-        return self.config.max_queue
-
-    @property
-    def block_size(self) -> int:
-        return self.config.block_size
 
     @property
     def kv_fingerprint(self) -> dict[str, str | int]:
