@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import shutil
 import subprocess
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: bench/ is then first on the path, not the root
 
 from bench.load import Server, run_point  # noqa: E402
-from bench.peers import git_commit, machine  # noqa: E402
+from bench.peers import provenance  # noqa: E402
 from bench.scale import Front, emit  # noqa: E402
 from bench.vllm_cpu import CACHE, prepare_lock, prepare_model  # noqa: E402
 from tests.fake_upstream import FakeReplica  # noqa: E402
@@ -94,9 +93,7 @@ def main() -> None:
         workload={"users": args.users, "turns": args.turns, "tokens": args.tokens},
         fake_delay_s=args.delay,
         logs=str(logs),
-        machine=machine(Path("/proc/cpuinfo").read_text()),
-        commit=git_commit(),
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **provenance(),
     )
     print(json.dumps(summary), flush=True)
 

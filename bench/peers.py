@@ -142,6 +142,15 @@ def git_commit() -> str:
     return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain") else "")
 
 
+def provenance() -> dict:
+    """Where and when a run's figures come from: the machine, the commit and the date."""
+    return {
+        "machine": machine(Path("/proc/cpuinfo").read_text()),
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
 def summarize(results: dict[str, dict[int, dict]], users: list[int]) -> dict:
     """crowdchat's tokens/s and its ratio to each peer at each user count (None where missing)."""
     out: dict[str, object] = {}
@@ -218,9 +227,7 @@ def main() -> None:
             "llamacpp": [p.name for p in args.cache.glob("sdist/llama_cpp_python-*") if p.is_dir()],
             "vllm": VLLM_PIN,
         },
-        machine=machine(Path("/proc/cpuinfo").read_text()),
-        commit=git_commit(),
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **provenance(),
     )
     print(json.dumps(summary), flush=True)
 

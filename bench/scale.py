@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import re
@@ -35,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: bench/ is then first on the path, not the root
 
 from bench.load import Server, free_port, run_point  # noqa: E402
-from bench.peers import git_commit, machine  # noqa: E402
+from bench.peers import provenance  # noqa: E402
 from bench.vllm_cpu import (  # noqa: E402
     CACHE,
     VLLM_PIN,
@@ -253,9 +252,7 @@ def main() -> None:
         vllm=VLLM_PIN,
         vllm_eager=args.eager,
         logs=str(args.logs),
-        machine=machine(Path("/proc/cpuinfo").read_text()),
-        commit=git_commit(),
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **provenance(),
     )
     print(json.dumps(summary), flush=True)
 
