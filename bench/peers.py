@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urljoin
 
@@ -86,6 +88,21 @@ def prepare_llamacpp(cache: Path) -> Path:
     return exe
 
 
+@contextlib.contextmanager
+def neighbour(on: bool) -> Iterator[None]:
+    """With `on`, one niced busy loop runs meanwhile: the box is shared, as a demo server's
+    usually is (a backup, a build, another service), and a server's threads must live with it."""
+    if not on:
+        yield
+        return
+    busy = subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
+
+
 def measure(name: str, base: str, users: list[int], args: argparse.Namespace) -> dict[int, dict]:
     """The same stateless closed-loop users against one ready server, after a short warm-up;
     prints each point as it is measured."""
@@ -93,9 +110,10 @@ def measure(name: str, base: str, users: list[int], args: argparse.Namespace) ->
     asyncio.run(run_point(server, 2, 1, 8, (0, 0), stateless=True))
     points = {}
     for n in users:
-        point = asyncio.run(
-            run_point(server, n, args.turns, args.new_tokens, (0, 0), stateless=True)
-        )
+        with neighbour(args.neighbour):
+            point = asyncio.run(
+                run_point(server, n, args.turns, args.new_tokens, (0, 0), stateless=True)
+            )
         points[n] = {k: point[k] for k in POINT_KEYS}
         print(json.dumps({"server": name, **points[n]}), flush=True)
     return points
@@ -190,6 +208,11 @@ def main() -> None:
         help="vLLM --dtype; without avx512_bf16 oneDNN refuses bf16 and vLLM falls back to "
         "slower torch linears (float32 may then be the fairer peer)",
     )
+    ap.add_argument(
+        "--neighbour",
+        action="store_true",
+        help="a niced busy loop beside each server while it is measured (a shared box)",
+    )
     args = ap.parse_args()
     names = [s for s in args.servers.split(",") if s]
     if unknown := set(names) - set(SERVERS):
@@ -223,6 +246,7 @@ def main() -> None:
         workload={"users": users, "turns": args.turns, "new_tokens": args.new_tokens},
         crowdchat_args=args.crowdchat_args,
         vllm_dtype=args.vllm_dtype,
+        neighbour=args.neighbour,
         peers={
             "llamacpp": [p.name for p in args.cache.glob("sdist/llama_cpp_python-*") if p.is_dir()],
             "vllm": VLLM_PIN,

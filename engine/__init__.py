@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from engine.threads import prefer_passive_omp_waits
+
+prefer_passive_omp_waits()  # before anything below loads torch (and with it libgomp)
+
 from engine.backend import Backend, open_backend
 from engine.config import EngineConfig
 from engine.engine import Engine

@@ -3,8 +3,12 @@ against a stand-in server (no model, no real peers)."""
 
 import argparse
 import json
+import time
 from pathlib import Path
 
+import psutil
+
+from bench import peers
 from bench.load import ReplyCount
 from bench.peers import machine, run_server, sdist_url, summarize
 
@@ -122,7 +126,13 @@ def test_llama_server_restarts_per_user_count_and_gets_each_users_whole_history(
     stub.write_text(STUB)
     stub.chmod(0o755)
     args = argparse.Namespace(
-        cache=tmp_path, threads=2, ctx_per_user=1024, turns=2, new_tokens=5, crowdchat_args=""
+        cache=tmp_path,
+        threads=2,
+        ctx_per_user=1024,
+        turns=2,
+        new_tokens=5,
+        crowdchat_args="",
+        neighbour=False,
     )
     ready = {"llamacpp": stub, "gguf": Path("/m.gguf")}
     points = run_server("llamacpp", [1, 3], args, ready)
@@ -136,3 +146,20 @@ def test_llama_server_restarts_per_user_count_and_gets_each_users_whole_history(
     assert len(second_turns) == 1 + 3
     assert all(m[1] == {"role": "assistant", "content": "t0 t1 t2 t3 t4 "} for m in second_turns)
     assert all(r["ignore_eos"] and r["model"] == "stub" for r in sent)
+
+
+def test_the_neighbour_is_a_niced_busy_loop_only_while_measured():
+    def busy() -> list[psutil.Process]:
+        kids = psutil.Process().children(recursive=True)
+        return [p for p in kids if "while True: pass" in " ".join(p.cmdline())]
+
+    with peers.neighbour(False):
+        assert busy() == []
+    with peers.neighbour(True):
+        deadline = time.monotonic() + 10  # `nice` lowers its priority, then becomes python
+        while not (found := busy()) or found[0].nice() <= psutil.Process().nice():
+            assert time.monotonic() < deadline, "no niced busy loop"
+            time.sleep(0.05)
+        (loop,) = found
+    assert not loop.is_running() or loop.status() == psutil.STATUS_ZOMBIE
+    assert busy() == []
