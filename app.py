@@ -4,10 +4,12 @@ flags -> engine -> session manager -> chat page, admin page, OpenAI API, metrics
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import os
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -62,7 +64,15 @@ def build_app(
 ) -> tuple[FastAPI, Monitor]:
     """One FastAPI server: API and metrics routes, /admin and the chat page at /, all behind
     the Doors middleware (`app.state.doors`: its parts, for tests and operators)."""
-    app = FastAPI(title="crowdchat", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        async with engine.on_server_loop():
+            yield
+
+    app = FastAPI(
+        title="crowdchat", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
     users = UsersFile(config.auth_file) if config.auth_file else None
     keys = ApiKeys(sessions.store)
     resolver = Resolver(users, keys, config.api_keys_file)

@@ -8,6 +8,7 @@ what the protocol says (`keeps_kv`, `stats().replicas`), never on which backend 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Protocol, runtime_checkable
 
 from transformers import PreTrainedTokenizerBase
@@ -83,6 +84,11 @@ class Backend(Protocol):
         self, owner: str, kv: KVExport, cache_ns: str | None = None, shareable_prefix: int = 0
     ) -> bool: ...
     def drop_kv(self, owner: str) -> bool: ...
+
+    def on_server_loop(self) -> AbstractAsyncContextManager[None]:
+        """Entered by the web server on its event loop for as long as it serves: a backend
+        whose requests are asyncio I/O runs them there, next to their readers."""
+        ...
 
     def drain(self, replica: str, draining: bool = True) -> None:
         """Move new turns off a replica (its url) or back on; InvalidRequest where there

@@ -6,6 +6,7 @@ Each step reads as what it is: schedule (`Scheduler`), run (the step runner), pr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -170,6 +171,10 @@ class Engine(ConfigFacts):
     @property
     def device_type(self) -> str:
         return self.loaded.device.type
+
+    def on_server_loop(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """The engine thread does its own work: nothing moves to the web server's loop."""
+        return contextlib.nullcontext()
 
     def drain(self, replica: str, draining: bool = True) -> None:
         """The built-in engine has no replicas to drain."""

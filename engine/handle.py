@@ -41,6 +41,9 @@ class _LoopWaker:
         self._ready: list[asyncio.Event] = []
 
     def wake(self, event: asyncio.Event) -> None:
+        if asyncio._get_running_loop() is self._loop:
+            event.set()  # a producer on the reader's own loop (the upstream's): no hop
+            return
         with self._lock:
             self._ready.append(event)
             if len(self._ready) > 1:

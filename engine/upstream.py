@@ -1,19 +1,21 @@
 """The upstream backend: the same `Backend` protocol over vLLM (or any OpenAI-compatible server
 that takes token-id prompts), one replica per URL. No model weights in this process.
 
-One asyncio loop on one thread runs every request, every health check and one shared
-`httpx.AsyncClient`: no thread per request or per token. Each turn sends the exact prompt ids
-crowdchat built (its chat template, its truncation) to `/v1/completions` with `stream: true`.
+One asyncio loop on a thread of its own runs the health checks and, until a web server lends
+its loop (`on_server_loop`), every request: no thread per request or per token. Each turn sends
+the exact prompt ids crowdchat built (its chat template, its truncation) to `/v1/completions`
+with `stream: true`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -30,6 +32,7 @@ from engine.resident import KVExport
 from engine.routing import Router, probe
 from engine.sequence import FinishReason, SamplingParams, check_prompt
 from engine.served import ServedTokens
+from engine.upstream_net import asyncio_transport
 from engine.upstream_stream import Outcome, completion_body, stream_turn
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,11 @@ class UpstreamBackend(ConfigFacts):
         )
         self._thread.start()
         self._client: httpx.AsyncClient = self._call(self._make_client())
+        # where turns run: this thread's loop, or the web server's while it lends it
+        self._requests: tuple[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+            self._loop,
+            self._client,
+        )
         try:
             self.upstream_model, upstream_len = self._call(self._discover())
         except BaseException:
@@ -132,11 +140,26 @@ class UpstreamBackend(ConfigFacts):
         seq_id = next(self._ids)
         handle = RequestHandle(seq_id, len(ids), self._cancel)
         key = owner or user or f"request-{seq_id}"
-        serve = self._serve(handle, ids, params, key, user or owner or "")
-        fut = asyncio.run_coroutine_threadsafe(serve, self._loop)
+        loop, client = self._requests
+        serve = self._serve(client, handle, ids, params, key, user or owner or "")
+        fut = asyncio.run_coroutine_threadsafe(serve, loop)
         self._futures[seq_id] = fut
         fut.add_done_callback(lambda _f: self._futures.pop(seq_id, None))
         return handle
+
+    @contextlib.asynccontextmanager
+    async def on_server_loop(self) -> AsyncIterator[None]:
+        """While inside, new turns stream on the calling loop (the web server's, which reads
+        their handles), with a client of its own: a token then reaches its reader with no
+        hop between threads, and one loop instead of two wakes per event (measured: see
+        docs/SCALE.md). Turns already started stay where they are."""
+        client = await self._make_client()
+        self._requests = (asyncio.get_running_loop(), client)
+        try:
+            yield
+        finally:
+            self._requests = (self._loop, self._client)
+            await client.aclose()
 
     def stats(self) -> EngineStats:
         return stream_stats(
@@ -206,7 +229,7 @@ class UpstreamBackend(ConfigFacts):
         # read=None: the first-token and idle timeouts are the turn's own (upstream_stream)
         timeout = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        return httpx.AsyncClient(timeout=timeout, limits=limits)
+        return httpx.AsyncClient(timeout=timeout, transport=asyncio_transport(limits))
 
     async def _discover(self) -> tuple[str, int | None]:
         """The served model's name and context from the first replica's `/v1/models`."""
@@ -235,7 +258,13 @@ class UpstreamBackend(ConfigFacts):
             await asyncio.sleep(self.config.health_interval_s)
 
     async def _serve(
-        self, handle: RequestHandle, ids: list[int], params: SamplingParams, key: str, user: str
+        self,
+        client: httpx.AsyncClient,
+        handle: RequestHandle,
+        ids: list[int],
+        params: SamplingParams,
+        key: str,
+        user: str,
     ) -> None:
         """Run the turn on its replica; before any token streamed, a failed replica is
         marked down and the next one (by the same hash) gets the turn."""
@@ -252,7 +281,7 @@ class UpstreamBackend(ConfigFacts):
                     break
                 tried.add(replica.url)
                 outcome = await stream_turn(
-                    self._client,
+                    client,
                     self.router,
                     replica,
                     handle,

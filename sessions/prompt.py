@@ -125,8 +125,8 @@ class PromptEncoder:
         once, in order, and a request far over the context stops there, before the rest is
         tokenized or the prompt is built."""
         contents, total = [], 0
-        for m in messages:  # not cached: one-off text is not seen again
-            contents.append(self._tokenize(m["content"], True))
+        for m in messages:  # cached: a stateless client sends the whole history every turn
+            contents.append(self._tokens(m["content"], True))
             total += len(contents[-1])
             if total > limit:
                 raise PromptTooLong(

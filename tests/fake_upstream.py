@@ -38,6 +38,7 @@ class FakeReplica:
         self.die_after = 2
         self.delay = 0.0
         self.requests: list[dict] = []
+        self.ports: list[int] = []  # each request's client port: one port, one connection
         self.completed = 0
         self.aborted = 0  # streams whose client went away (or that we dropped) mid-way
         self.port = free_port()
@@ -104,6 +105,7 @@ class FakeReplica:
     async def completions(self, request: Request) -> Response:
         body = await request.json()
         self.requests.append(body)
+        self.ports.append(request.client.port if request.client else 0)
         if self.fault == "unhealthy":
             return Response(status_code=503)
         if self.fault in ("500", "429"):

@@ -48,6 +48,11 @@ def test_pieces_join_to_exactly_what_the_formatter_encodes(formatter: ChatFormat
         joined = [t for piece in prompts.pieces(convo) for t in piece]
         assert joined == formatter.encode(convo)
         assert prompts.encode_fitting(convo, SamplingParams(max_new_tokens=16)) == joined
+        # a stateless API client resends its history: its messages come from the cache
+        # (as do the template's pieces), and the upstream gets the same ids
+        hits = prompts._tokens.cache_info().hits
+        assert prompts.encode(convo, 2048) == joined
+        assert prompts._tokens.cache_info().hits == hits + 2 * len(convo) + 1
 
 
 def test_a_long_conversation_is_cut_in_steps_and_reuses_its_kv_between_cuts(

@@ -26,7 +26,7 @@ from engine import (
 from engine.loader import local_tokenizer
 from engine.routing import Router, parse_metrics, score
 from engine.upstream import UpstreamBackend
-from engine.upstream_stream import completion_body
+from engine.upstream_stream import completion_body, sse_lines
 from sessions import SessionConfig, SessionManager
 from tests.fake_model import fake_engine
 from tests.fake_upstream import MODEL, FakeReplica
@@ -111,6 +111,7 @@ def up(served, replicas):  # noqa: ANN001, ANN201
             r.start()
         r.fault, r.delay, r.words = None, 0.0, 4
         r.requests.clear()
+        r.ports.clear()
         r.aborted = r.completed = 0
     for r in backend.router.replicas:
         backend.drain(r.url, draining=False)
@@ -186,6 +187,15 @@ def test_the_request_body_maps_sampling_and_keeps_the_reply_inside_the_context()
     assert (full["stop"], full["ignore_eos"], full["max_tokens"]) == (["x"], True, 256)
 
 
+def test_sse_payloads_are_cut_at_whole_lines_even_inside_a_character() -> None:
+    event = 'data: {"text": "é"}\r\n\n'.encode()
+    cut = event.index("é".encode()) + 1  # between the two bytes of é
+    first, rest = sse_lines(b": ping\n" + event[:cut])
+    assert first == [] and rest == event[:cut]
+    second, rest = sse_lines(rest + event[cut:] + b"data: [DONE]\n\ndata: {")
+    assert second == ['{"text": "é"}'.encode(), b"[DONE]"] and rest == b"data: {"
+
+
 def test_bad_urls_and_unreachable_upstreams_stop_start_up_with_a_message(
     local: tuple, tmp_path: Path
 ) -> None:
@@ -240,6 +250,16 @@ def test_sessions_stick_to_one_replica_and_spread_over_both(up, replicas) -> Non
         assert len(names) == 1, names  # sticky_fraction 1.0 while both are healthy
         homes.append(names.pop())
     assert set(homes) == {"r0", "r1"}, homes
+
+
+def test_a_sessions_turns_reuse_one_upstream_connection(up, replicas) -> None:  # noqa: ANN001
+    url, _, _, _ = up
+    sid = new_session(url)
+    for turn in range(4):
+        assert ask(url, f"turn {turn}", sid).status_code == 200
+    home = next(r for r in replicas if r.requests)
+    # the body is read to its end after [DONE]: the connection returns to the pool
+    assert len(home.requests) == 4 and len(set(home.ports[-4:])) == 1, home.ports
 
 
 def test_a_killed_replica_hands_the_whole_conversation_to_the_other(up, replicas) -> None:  # noqa: ANN001
