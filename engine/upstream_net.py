@@ -139,6 +139,8 @@ def asyncio_transport(limits: httpx.Limits) -> httpx.AsyncHTTPTransport:
     """httpx's own transport (its error mapping, its pool) over AsyncioBackend. httpx takes
     no network backend, so its pool is replaced by the same pool with one."""
     transport = httpx.AsyncHTTPTransport(limits=limits)
+    if not isinstance(getattr(transport, "_pool", None), httpcore.AsyncConnectionPool):
+        return transport  # another httpx inside: its own backend, slower but correct
     transport._pool = httpcore.AsyncConnectionPool(
         ssl_context=httpx.create_ssl_context(),
         max_connections=limits.max_connections,
