@@ -223,6 +223,11 @@ def main() -> None:
     ap.add_argument("--fake-tokens", type=int, default=16, help="tokens per fake reply")
     ap.add_argument("--kv-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per replica")
     ap.add_argument("--eager", action="store_true", help="vLLM --enforce-eager (fast start)")
+    ap.add_argument(
+        "--vllm-dtype",
+        default="bfloat16",
+        help="vLLM --dtype; float32 on CPUs without AVX512-BF16 (vLLM's bf16 path crawls there)",
+    )
     ap.add_argument("--skip", default="", help="comma-separated: overhead,replicas,rps")
     ap.add_argument("--cache", type=Path, default=CACHE)
     args = ap.parse_args()
@@ -237,7 +242,7 @@ def main() -> None:
         extra += ("--enforce-eager",) if args.eager else ()
         cores = [str(i % (os.cpu_count() or 1)) for i in range(2)]
         specs = [
-            VllmSpec(python, model, free_port(), args.kv_gb, c, max_model_len=2048, extra=extra)
+            VllmSpec(python, model, free_port(), args.kv_gb, c, args.vllm_dtype, 2048, extra)
             for c in cores
         ]
         with serving_vllm(specs, args.logs) as servers:
