@@ -12,6 +12,9 @@ from engine.chat_format import ChatFormatter
 Message = dict[str, str]  # {"role": ..., "content": ...}
 KEEP_FRACTION = 0.75  # a conversation that outgrew its context is cut down to this much of it
 TOKEN_CACHE_ENTRIES = 16_384  # tokenized pieces of text kept (messages, template pieces)
+# longer texts are tokenized each time, so whatever clients send, the cache stays small
+# (16,384 x ~2 KB of text and its ids: tens of MB, not the GBs of long pastes)
+CACHED_TEXT_CHARS = 2_048
 CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # Unicode's Cc but tab and newline
 
 
@@ -96,8 +99,13 @@ class PromptEncoder:
     ) -> None:
         self.formatter = formatter
         self.max_model_len = max_model_len
-        self._tokens = functools.lru_cache(maxsize=TOKEN_CACHE_ENTRIES)(self._tokenize)
+        self._cached = functools.lru_cache(maxsize=TOKEN_CACHE_ENTRIES)(self._tokenize)
         self.share(shared_system_prompts)
+
+    def _tokens(self, text: str, user_text: bool) -> tuple[int, ...]:
+        if len(text) > CACHED_TEXT_CHARS:
+            return self._tokenize(text, user_text)
+        return self._cached(text, user_text)
 
     def share(self, shared_system_prompts: tuple[str, ...]) -> None:
         """From now on, these system prompts (and the template's default) are the shared

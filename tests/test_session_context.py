@@ -50,9 +50,23 @@ def test_pieces_join_to_exactly_what_the_formatter_encodes(formatter: ChatFormat
         assert prompts.encode_fitting(convo, SamplingParams(max_new_tokens=16)) == joined
         # a stateless API client resends its history: its messages come from the cache
         # (as do the template's pieces), and the upstream gets the same ids
-        hits = prompts._tokens.cache_info().hits
+        hits = prompts._cached.cache_info().hits
         assert prompts.encode(convo, 2048) == joined
-        assert prompts._tokens.cache_info().hits == hits + 2 * len(convo) + 1
+        assert prompts._cached.cache_info().hits == hits + 2 * len(convo) + 1
+
+
+def test_long_texts_are_tokenized_each_time_not_kept(formatter: ChatFormatter) -> None:
+    """Whatever clients send, the token cache holds short texts only (a memory bound)."""
+    prompts = PromptEncoder(formatter, 100_000)
+    long = "All work and no play. " * 200  # 4,400 characters
+    convo = [{"role": "user", "content": long}]
+    before = prompts._cached.cache_info().currsize
+    for _ in range(2):
+        assert prompts.encode(convo, 100_000) == formatter.encode(convo)
+    assert prompts._cached.cache_info().currsize == before  # the message was not kept
+    short = [{"role": "user", "content": "All work and no play."}]
+    prompts.encode(short, 100_000)
+    assert prompts._cached.cache_info().currsize == before + 1  # a short one is
 
 
 def test_a_long_conversation_is_cut_in_steps_and_reuses_its_kv_between_cuts(
