@@ -12,8 +12,9 @@ from engine.chat_format import ChatFormatter
 Message = dict[str, str]  # {"role": ..., "content": ...}
 KEEP_FRACTION = 0.75  # a conversation that outgrew its context is cut down to this much of it
 TOKEN_CACHE_ENTRIES = 16_384  # tokenized pieces of text kept (messages, template pieces)
-# longer texts are tokenized each time, so whatever clients send, the cache stays small
-# (16,384 x ~2 KB of text and its ids: tens of MB, not the GBs of long pastes)
+# longer texts are tokenized each time, so whatever clients send, the cache stays bounded:
+# 16,384 texts of at most 2,048 characters and their ids (as Python ints, ~36 bytes each):
+# ~300 MB at ~4 characters a token, ~1.2 GB if every character were a token
 CACHED_TEXT_CHARS = 2_048
 CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # Unicode's Cc but tab and newline
 
