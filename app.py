@@ -35,6 +35,7 @@ from ui.chat_blocks import build_chat_blocks
 from ui.chat_page import ChatPage
 from ui.keys_page import KeysSection
 from ui.monitor import Monitor
+from ui.queue_polling import poll_less
 
 __all__ = ["AppConfig", "build_app", "main", "parse_args"]
 
@@ -127,6 +128,7 @@ def build_app(
         default_concurrency_limit=engine.max_num_seqs,
         max_size=engine.max_queue + engine.max_num_seqs,
     )
+    poll_less(chat)
     app = gr.mount_gradio_app(
         app,
         chat,

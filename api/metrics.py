@@ -98,6 +98,12 @@ class CrowdchatCollector(Collector):
         yield _gauge(
             "tokens_per_second", "Generated tokens per second, recent window", s.tokens_per_s
         )
+        if s.step_ms_p50 is not None:
+            yield _gauge(
+                "step_seconds_p50",
+                "Median wall time of the engine's last 256 forward steps",
+                s.step_ms_p50 / 1000,
+            )
         yield _gauge(
             "resident_sessions", "Sessions whose KV is resident in the pool", s.resident_owners
         )

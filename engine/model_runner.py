@@ -10,6 +10,7 @@ import torch
 from engine import attention
 from engine.attention import DecodeGroup, PrefillChunk, StepMetadata
 from engine.kv_cache import KVCache
+from engine.lean_llama import lean_forward
 from engine.lean_norm import fuse_norms
 from engine.loader import LoadedModel
 from engine.sampler import sample
@@ -63,6 +64,8 @@ class ModelRunner:
         self.cache = cache
         self.model.set_attn_implementation(attention.IMPLEMENTATION)
         fuse_norms(self.model)  # bitwise the same outputs, 1 op instead of 8 (engine.lean_norm)
+        # Llama-shaped decoders run as one flat function, bitwise the same (engine.lean_llama)
+        self.lean = lean_forward(self.model)
         gen = getattr(self.model, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) or loaded.tokenizer.eos_token_id
         self.stop_ids: list[int] = sorted({eos} if isinstance(eos, int) else set(eos or []))
@@ -127,10 +130,15 @@ class ModelRunner:
         """Run one step; the logits of each row that ends its sequence's known tokens.  # [N, V]"""
         meta, ids, pos, rows = self._metadata(plan)
         dev = self.device
+        input_ids = torch.tensor([ids], device=dev)
+        positions = torch.tensor([pos], device=dev)
+        logit_rows = torch.tensor(rows, dtype=torch.long, device=dev)
+        if self.lean is not None:
+            return self.lean.forward(input_ids, positions, meta, logit_rows)
         out = self.model(
-            input_ids=torch.tensor([ids], device=dev),
-            position_ids=torch.tensor([pos], device=dev),
-            logits_to_keep=torch.tensor(rows, dtype=torch.long, device=dev),
+            input_ids=input_ids,
+            position_ids=positions,
+            logits_to_keep=logit_rows,
             use_cache=False,
             crowdchat=meta,
         )

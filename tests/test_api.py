@@ -290,6 +290,7 @@ def test_metrics_parse_and_show_latency_and_kv_blocks(live: LiveServer) -> None:
     }
     assert value["total"] > 0 and value["used"] + value["free"] == value["total"]
     assert families["crowdchat_generated_tokens"].samples[0].value >= 3
+    assert 0 < families["crowdchat_step_seconds_p50"].samples[0].value < 60
     states = {s.labels["state"] for s in families["crowdchat_sessions"].samples}
     assert {"active", "resident", "persisted", "cold"} <= states
 

@@ -11,6 +11,7 @@ from engine import CrowdchatError
 from engine.metrics import EngineStats
 from sessions import SessionManager
 from ui.monitor import Monitor, memory
+from ui.queue_polling import poll_less
 from ui.shared_prompts_section import build_shared_prompts
 
 MB = 2**20
@@ -284,4 +285,5 @@ def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
             btn.click(lambda p, a=action: act(a, p), [target], [result], concurrency_limit=None)
         for btn, action in ((drain_btn, "drain"), (undrain_btn, "undrain")):
             btn.click(lambda p, a=action: act(a, p), [replica], [result], concurrency_limit=None)
+    poll_less(demo)  # its queue's idle polling (ui.queue_polling)
     return demo

@@ -1,0 +1,90 @@
+"""The flat Llama forward computes bitwise what transformers' Llama code computes in the engine."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.lean_llama import LeanLlama, lean_forward
+from engine.loader import LoadedModel
+from engine.scheduler import StepPlan
+from engine.sequence import SamplingParams, Sequence
+from engine.threads import run_in_fresh_thread
+from tests.conftest import make_engine
+
+
+def _both_ways(loaded: LoadedModel, tmp: Path, seed: int) -> int:
+    """Random steps (fresh prefills, prefill chunks over a cached prefix, decode groups of
+    different context lengths) run through both forwards; their logits must be equal bitwise.
+    Returns the steps compared."""
+    engine = make_engine(loaded, tmp, kv_budget_mb=128)
+    engine.shutdown()  # drive the runner on this thread
+    runner, pool = engine.runner, engine.pool
+    assert isinstance(runner.lean, LeanLlama)
+    rng = random.Random(seed)
+    seqs: list[Sequence] = []
+    for _ in range(rng.randint(3, 6)):
+        n = rng.choice([1, 5, 17, 40, 130])
+        ids = [rng.randrange(100, 20000) for _ in range(n)]
+        s = Sequence(ids, SamplingParams(max_new_tokens=8))
+        s.block_table = pool.allocate(pool.blocks_for(n + 12))
+        seqs.append(s)
+
+    def step(plan: StepPlan) -> None:
+        lean = runner.lean
+        with torch.inference_mode():
+            fast = runner.forward(plan)
+            runner.lean = None
+            try:
+                slow = runner.forward(plan)  # writes the same K/V into the same slots
+            finally:
+                runner.lean = lean
+        assert fast.shape == slow.shape and fast.dtype == slow.dtype
+        assert torch.equal(fast, slow), (fast - slow).abs().max()
+
+    steps = 0
+    # the first chunk of each prompt, then the rest along with decodes of those that finished
+    plan = StepPlan(prefills=[(s, rng.randint(1, s.num_tokens)) for s in seqs])
+    for _ in range(7):
+        step(plan)
+        steps += 1
+        for s in plan.decodes:
+            s.num_computed += 1
+        for s, n in plan.prefills:
+            s.num_computed += n
+        for s in seqs:
+            if s.num_computed == s.num_tokens:  # its next token was sampled
+                s.token_ids.append(rng.randrange(100, 20000))
+        decodes = [s for s in seqs if s.num_computed == s.num_tokens - 1]
+        rest = [(s, s.num_tokens - s.num_computed) for s in seqs if s not in decodes]
+        plan = StepPlan(decodes=decodes, prefills=rest)
+    for s in seqs:
+        pool.free(s.block_table)
+    return steps
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lean_forward_equals_transformers_bitwise_nf4(
+    nf4_model: LoadedModel, tmp_path: Path, seed: int
+) -> None:
+    assert run_in_fresh_thread(lambda: _both_ways(nf4_model, tmp_path, seed)) == 7
+
+
+def test_lean_forward_equals_transformers_bitwise_fp32(fp32_model: LoadedModel, tmp_path) -> None:
+    assert run_in_fresh_thread(lambda: _both_ways(fp32_model, tmp_path, 2)) == 7
+
+
+def test_other_decoders_keep_transformers_code(nf4_model: LoadedModel) -> None:
+    model = nf4_model.model
+    assert lean_forward(model) is not None
+    cfg = model.config
+    for attr, value in (("attention_bias", True), ("mlp_bias", True), ("hidden_act", "gelu")):
+        old = getattr(cfg, attr, None)
+        setattr(cfg, attr, value)
+        try:
+            assert lean_forward(model) is None, attr
+        finally:
+            setattr(cfg, attr, old)
