@@ -69,7 +69,7 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.dense is not None and x2.shape[0] > self.dense_rows:
             return _like_kernel(x, self.dense)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        y = torch._weight_int4pack_mm_for_cpu(  # torch's binding: ~4 us less a call than ops.aten
             x2.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_and_zeros
         )
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
@@ -98,7 +98,7 @@ class Int8Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.dense is not None and x2.shape[0] > self.dense_rows:
             return _like_kernel(x, self.dense)
-        y = torch.ops.aten._weight_int8pack_mm(x2.to(KERNEL_DTYPE), self.qweight, self.scales)
+        y = torch._weight_int8pack_mm(x2.to(KERNEL_DTYPE), self.qweight, self.scales)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
 
@@ -132,8 +132,7 @@ def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
 
 def available() -> bool:
     """Whether this torch build has the CPU weight-only kernels."""
-    ops = torch.ops.aten
-    return hasattr(ops, "_weight_int4pack_mm_for_cpu") and hasattr(ops, "_weight_int8pack_mm")
+    return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_weight_int8pack_mm")
 
 
 def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
