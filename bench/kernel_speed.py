@@ -32,6 +32,8 @@ MODES = {
     # the same without issue 9's cuts (q/k/v and gate/up fused, one-op RMSNorm): before/after
     # in one run
     "torch_int4_unfused": {"quant": "nf4", "cpu_dense_above": 16, "unfused": True},
+    # the default path through transformers' Llama code instead of engine.lean_llama
+    "torch_int4_transformers_forward": {"quant": "nf4", "cpu_dense_above": 16, "hf": True},
     "torch_int4_packed_only": {"quant": "nf4", "cpu_dense_above": 0},
     "bitsandbytes_nf4": {"quant": "nf4", "bnb": True},
     "dense": {"quant": "none"},
@@ -47,7 +49,7 @@ def cpu_name() -> str:
 
 
 def load(mode: dict, data_dir: Path) -> Engine:
-    settings = {k: v for k, v in mode.items() if k not in ("bnb", "unfused")}
+    settings = {k: v for k, v in mode.items() if k not in ("bnb", "unfused", "hf")}
     config = EngineConfig(data_dir=data_dir, kv_budget_mb=256, **settings)  # type: ignore[arg-type]
     available, fuse, norms = (
         cpu_quant.available,
@@ -66,6 +68,8 @@ def load(mode: dict, data_dir: Path) -> Engine:
         cpu_quant.available, fused_proj.fuse_projections = available, fuse
         model_runner.fuse_norms = norms
     engine.shutdown()  # drive the runner on this thread
+    if mode.get("hf"):
+        engine.runner.lean = None  # type: ignore[attr-defined]
     return engine
 
 
@@ -151,6 +155,12 @@ def main() -> None:
         for key in [f"decode_{r}_ms" for r in ROWS] + ["prefill_500_ms"]:
             summary[f"issue9_{key.removesuffix('_ms')}_speedup"] = round(
                 before[key] / after[key], 3
+            )
+    hf = result.get("torch_int4_transformers_forward")
+    if hf and after:  # the flat forward over transformers' modules, same weights and kernels
+        for key in [f"decode_{r}_ms" for r in ROWS] + ["prefill_500_ms"]:
+            summary[f"lean_forward_{key.removesuffix('_ms')}_speedup"] = round(
+                hf[key] / after[key], 3
             )
     print(json.dumps(summary), flush=True)
 
