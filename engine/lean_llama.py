@@ -83,7 +83,7 @@ class LeanLlama:
                 gate_up=_projections([layer.mlp.gate_proj, layer.mlp.up_proj]),
                 down=layer.mlp.down_proj,
             )
-            for layer in inner.layers
+            for layer in inner.layers[: cfg.num_hidden_layers]  # as transformers runs them
         ]
 
     def forward(
