@@ -11,7 +11,8 @@ Every float is computed the same way, so its logits equal the transformers path'
 (tests/test_lean_llama.py), and `generate` on the same model still gives the same tokens.
 
 Only decoders that are exactly Llama's shape take it (`lean_forward` returns None otherwise:
-biases, other activations or norms, scaled RoPE variants keep transformers' code).
+biases, other activations or norms keep transformers' code). RoPE's cos/sin come from the
+model's own rotary module, so its scaled variants (Llama 3's) are computed as transformers does.
 """
 
 from __future__ import annotations
@@ -121,13 +122,11 @@ class LeanLlama:
 def lean_forward(model: nn.Module) -> LeanLlama | None:
     """The flat forward for `model`, or None where its decoder is not exactly Llama's."""
     cfg = model.config
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     if (
         type(model).__name__ not in ARCHITECTURES
         or getattr(cfg, "attention_bias", False)
         or getattr(cfg, "mlp_bias", False)
         or cfg.hidden_act != "silu"
-        or rope.get("rope_type", "default") != "default"
         or any(type(m).__name__ != "LlamaRMSNorm" for m in _norms(model))
     ):
         return None

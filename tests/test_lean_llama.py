@@ -8,15 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import EngineConfig
 from engine.lean_llama import LeanLlama, lean_forward
-from engine.loader import LoadedModel
+from engine.loader import LoadedModel, load_model
 from engine.scheduler import StepPlan
 from engine.sequence import SamplingParams, Sequence
 from engine.threads import run_in_fresh_thread
 from tests.conftest import make_engine
 
 
-def _both_ways(loaded: LoadedModel, tmp: Path, seed: int) -> int:
+def _both_ways(loaded: LoadedModel, tmp: Path, seed: int, vocab: int = 20000) -> int:
     """Random steps (fresh prefills, prefill chunks over a cached prefix, decode groups of
     different context lengths) run through both forwards; their logits must be equal bitwise.
     Returns the steps compared."""
@@ -28,7 +29,7 @@ def _both_ways(loaded: LoadedModel, tmp: Path, seed: int) -> int:
     seqs: list[Sequence] = []
     for _ in range(rng.randint(3, 6)):
         n = rng.choice([1, 5, 17, 40, 130])
-        ids = [rng.randrange(100, 20000) for _ in range(n)]
+        ids = [rng.randrange(100, vocab) for _ in range(n)]
         s = Sequence(ids, SamplingParams(max_new_tokens=8))
         s.block_table = pool.allocate(pool.blocks_for(n + 12))
         seqs.append(s)
@@ -57,7 +58,7 @@ def _both_ways(loaded: LoadedModel, tmp: Path, seed: int) -> int:
             s.num_computed += n
         for s in seqs:
             if s.num_computed == s.num_tokens:  # its next token was sampled
-                s.token_ids.append(rng.randrange(100, 20000))
+                s.token_ids.append(rng.randrange(100, vocab))
         decodes = [s for s in seqs if s.num_computed == s.num_tokens - 1]
         rest = [(s, s.num_tokens - s.num_computed) for s in seqs if s not in decodes]
         plan = StepPlan(decodes=decodes, prefills=rest)
@@ -75,6 +76,31 @@ def test_lean_forward_equals_transformers_bitwise_nf4(
 
 def test_lean_forward_equals_transformers_bitwise_fp32(fp32_model: LoadedModel, tmp_path) -> None:
     assert run_in_fresh_thread(lambda: _both_ways(fp32_model, tmp_path, 2)) == 7
+
+
+def test_scaled_rope_is_computed_as_transformers_does(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    """Llama 3's RoPE scaling: cos/sin come from the model's own rotary module."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rope_parameters=rope,
+    )  # fmt: skip
+    directory = tmp_path / "tiny-llama3"
+    LlamaForCausalLM(config).save_pretrained(directory)
+    nf4_model.tokenizer.save_pretrained(directory)
+    model_config = EngineConfig(
+        model=str(directory), data_dir=tmp_path, quant="none", dtype="float32"
+    )
+    loaded = load_model(model_config)
+    assert loaded.model.model.rotary_emb.rope_type == "llama3"
+    assert run_in_fresh_thread(lambda: _both_ways(loaded, tmp_path, 3, vocab=1000)) == 7
 
 
 def test_other_decoders_keep_transformers_code(nf4_model: LoadedModel) -> None:
