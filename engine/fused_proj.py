@@ -37,9 +37,14 @@ class FusedProjection(nn.Module):
         self._input: torch.Tensor | None = None
         self._parts: tuple[torch.Tensor, ...] = ()
 
+    def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every part's output for `x`, in one kernel call (or one matmul per part on the
+        dense copy, as `split` decides)."""
+        return self.split(self.linear, x, self.sizes)
+
     def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
         if self._input is not x:
-            self._parts = self.split(self.linear, x, self.sizes)
+            self._parts = self.outputs(x)
             self._input = x
         out = self._parts[i]
         if i == len(self.sizes) - 1:  # the last part in call order: let the step's tensors go

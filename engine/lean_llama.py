@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.llama.modeling_llama import rotate_half
 
 from engine.attention import StepMetadata, paged_attention
 from engine.fused_proj import ProjectionPart
@@ -48,14 +49,8 @@ def _projections(linears: list[nn.Module]) -> Projections:
     `FusedProjection` (engine.fused_proj), else each linear on its own."""
     parts = [m for m in linears if isinstance(m, ProjectionPart)]
     if len(parts) == len(linears) and len({id(p.fused) for p in parts}) == 1:
-        fused = parts[0].fused
-        return lambda x: fused.split(fused.linear, x, fused.sizes)
+        return parts[0].fused.outputs
     return lambda x: tuple(m(x) for m in linears)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class LeanLlama:
@@ -102,9 +97,9 @@ class LeanLlama:
         for layer in self.layers:
             x = rms_norm(layer.norm1, h)
             q, k, v = layer.qkv(x)
-            # RoPE on q and k in one pass (the same elementwise formula as transformers')
+            # RoPE on q and k in one pass (transformers' own formula and `rotate_half`)
             qk = torch.cat((q, k), dim=-1).view(t, nq + nkv, d)
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = qk * cos + rotate_half(qk) * sin
             query = qk[:, :nq].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
             key = qk[:, nq:].transpose(0, 1).unsqueeze(0)  # [1, H_kv, T, D]
             value = v.view(t, nkv, d).transpose(0, 1).unsqueeze(0)
