@@ -23,3 +23,22 @@ def test_a_gradio_without_the_settings_keeps_its_own() -> None:
         _queue = object()
 
     assert not poll_less(Bare())  # type: ignore[arg-type]
+
+
+def test_the_servers_chat_and_admin_pages_poll_less(nf4_model, tmp_path) -> None:
+    from app import AppConfig, _gradio_app, build_app
+    from tests.conftest import close_sessions, make_sessions
+    from tests.web import ADMIN_PASSWORD
+
+    engine, sessions = make_sessions(nf4_model, tmp_path)
+    try:
+        app, monitor = build_app(
+            engine, sessions, AppConfig(admin_password=ADMIN_PASSWORD), tmp_path
+        )
+        monitor.stop()
+        for path in ("", "/admin"):
+            queue = _gradio_app(app, path).get_blocks()._queue
+            assert queue.sleep_when_free == IDLE_POLL_S, path
+            assert queue.progress_update_sleep_when_free == PROGRESS_POLL_S, path
+    finally:
+        close_sessions(engine, sessions)
