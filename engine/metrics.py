@@ -118,7 +118,8 @@ class Metrics:
         self.itl_hist = Histogram(ITL_BUCKETS)
         self.itl: deque[float] = deque(maxlen=SAMPLES)
         self.step_ms: deque[float] = deque(maxlen=256)
-        self.token_times: deque[tuple[float, int]] = deque()
+        self.token_times: deque[tuple[float, int]] = deque()  # (when, tokens), last WINDOW_S
+        self._window_tokens = 0  # the sum of token_times' tokens
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.finished = 0
@@ -149,27 +150,33 @@ class Metrics:
             self.steps += 1
             self.step_ms.append(ms)
             self.max_batch = max(self.max_batch, batch)
-            self.generated_tokens += new_tokens
             self.prompt_tokens += prompt_tokens
-            if new_tokens:
-                self.token_times.append((now, new_tokens))
-            while self.token_times and self.token_times[0][0] < now - WINDOW_S:
-                self.token_times.popleft()
+            self._add_tokens(now, new_tokens)
 
     def record_tokens(self, now: float, new_tokens: int) -> None:
         """Tokens that arrived outside a step (an upstream's stream)."""
         with self.lock:
-            self.generated_tokens += new_tokens
-            self.token_times.append((now, new_tokens))
-            while self.token_times and self.token_times[0][0] < now - WINDOW_S:
-                self.token_times.popleft()
+            self._add_tokens(now, new_tokens)
 
     def tokens_per_s(self, now: float) -> float:
-        recent = [n for t, n in self.token_times if t >= now - WINDOW_S]
-        if not recent:
+        """Tokens generated per second over the trailing window, from a running sum (the
+        caller holds `lock`: the window moves while another thread records)."""
+        self._expire(now)
+        if not self.token_times:
             return 0.0
-        span = min(WINDOW_S, max(now - self.token_times[0][0], 1e-3))
-        return sum(recent) / span
+        return self._window_tokens / min(WINDOW_S, max(now - self.token_times[0][0], 1e-3))
+
+    def _add_tokens(self, now: float, n: int) -> None:
+        """Count `n` new tokens (the caller holds the lock)."""
+        self.generated_tokens += n
+        if n:
+            self.token_times.append((now, n))
+            self._window_tokens += n
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        while self.token_times and self.token_times[0][0] < now - WINDOW_S:
+            self._window_tokens -= self.token_times.popleft()[1]
 
 
 def engine_stats(engine: Engine) -> EngineStats:

@@ -280,12 +280,15 @@ class UpstreamBackend(ConfigFacts):
                     )
                     break
                 tried.add(replica.url)
+                with self.metrics.lock:
+                    rate = self.metrics.tokens_per_s(time.monotonic())
+                interval = self.config.stream_interval(rate, self._pending)
                 outcome = await stream_turn(
                     client,
                     self.router,
                     replica,
                     handle,
-                    completion_body(self.upstream_model, ids, params, self.max_model_len),
+                    completion_body(self.upstream_model, ids, params, self.max_model_len, interval),
                     self.metrics,
                     (self.config.upstream_first_token_s, self.config.upstream_idle_s),
                 )

@@ -67,10 +67,12 @@ def rejection(status: int, message: str) -> type[CrowdchatError]:
 
 
 def completion_body(
-    model: str, ids: list[int], p: SamplingParams, max_model_len: int
+    model: str, ids: list[int], p: SamplingParams, max_model_len: int, stream_interval: int = 1
 ) -> dict[str, Any]:
     """The `/v1/completions` request: the prompt as token ids, sampling mapped 1:1, the reply
-    budget cut to the context left (vLLM refuses more; the built-in engine stops there)."""
+    budget cut to the context left (vLLM refuses more; the built-in engine stops there), and
+    how many tokens one streamed chunk may carry (vLLM 0.32 reads it; servers that do not
+    know the field ignore it)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": ids,
@@ -87,6 +89,7 @@ def completion_body(
         "seed": p.seed,
         "stop": list(p.stop) or None,
         "ignore_eos": p.ignore_eos or None,
+        "stream_interval": stream_interval if stream_interval > 1 else None,
     }
     body.update({k: v for k, v in extra.items() if v is not None})
     return body
@@ -143,7 +146,10 @@ async def stream_turn(
                                 now = time.monotonic()
                                 handle.token_ids.extend(ids or (-1,))  # -1: an id not sent
                                 handle._push(text)
-                                _record(metrics, now - (last if streamed else started), streamed)
+                                gap = now - (last if streamed else started)
+                                _record(
+                                    metrics, gap / max(len(ids), 1) if streamed else gap, streamed
+                                )
                                 metrics.record_tokens(now, len(ids) or 1)
                                 streamed, last = True, now
                             reason = FINISH.get(choice.get("finish_reason") or "", reason)

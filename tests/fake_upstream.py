@@ -125,16 +125,21 @@ class FakeReplica:
 
     async def _stream(self, body: dict) -> AsyncIterator[str]:
         n = min(body["max_tokens"], self.words + 1)
+        every = body.get("stream_interval") or 1  # tokens per chunk after the first, as vLLM
         done = False
         try:
-            for i in range(n):
-                if self.fault == "die" and i == self.die_after:
+            i = 0
+            while i < n:
+                if self.fault == "die" and i >= self.die_after:
                     self.fault = "unhealthy"  # like a crashed process: nothing answers now
                     raise ConnectionAbortedError("fake replica dies mid-stream")
+                chunk = range(i, i + 1 if i == 0 else min(i + every, n))
                 if self.delay:
-                    await asyncio.sleep(self.delay)
-                text = f"[{self.name}] " if i == 0 else f"w{i} "
-                yield _event({"text": text, "token_ids": [100 + i], "finish_reason": None})
+                    await asyncio.sleep(self.delay * len(chunk))
+                text = "".join(f"[{self.name}] " if j == 0 else f"w{j} " for j in chunk)
+                ids = [100 + j for j in chunk]
+                yield _event({"text": text, "token_ids": ids, "finish_reason": None})
+                i = chunk.stop
             reason = "length" if n == body["max_tokens"] else "stop"
             yield _event({"text": "", "finish_reason": reason})
             usage = {

@@ -3,9 +3,11 @@ front of two fake vLLM replicas (real HTTP servers, tests/fake_upstream.py)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -130,8 +132,10 @@ def new_session(url: str) -> str:
     return got.json()["id"]
 
 
-def ask(url: str, text: str, sid: str | None = None, **extra: object) -> httpx.Response:
-    headers = {"authorization": "Bearer t1", **({SESSION_HEADER: sid} if sid else {})}
+def ask(
+    url: str, text: str, sid: str | None = None, key: str = "t1", **extra: object
+) -> httpx.Response:
+    headers = {"authorization": f"Bearer {key}", **({SESSION_HEADER: sid} if sid else {})}
     body = {"messages": [{"role": "user", "content": text}], "max_tokens": 16, **extra}
     return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=30)
 
@@ -260,6 +264,48 @@ def test_a_sessions_turns_reuse_one_upstream_connection(up, replicas) -> None:  
     home = next(r for r in replicas if r.requests)
     # the body is read to its end after [DONE]: the connection returns to the pool
     assert len(home.requests) == 4 and len(set(home.ports[-4:])) == 1, home.ports
+
+
+def test_the_stream_interval_grows_with_the_relayed_rate_but_keeps_streams_smooth() -> None:
+    auto = EngineConfig()
+    cases = {(0, 0): 1, (200, 1): 1, (60, 32): 1, (1000, 2): 4, (1000, 32): 3, (1600, 32): 5}
+    cases |= {(10_000, 10): 8, (10_000, 500): 2}
+    assert {k: auto.stream_interval(*k) for k in cases} == cases
+    assert EngineConfig(upstream_stream_interval=3).stream_interval(0, 1) == 3
+    for bad in (-1, 9):
+        with pytest.raises(InvalidRequest, match="--upstream-stream-interval"):
+            EngineConfig(upstream_stream_interval=bad)
+
+
+def test_a_fixed_stream_interval_relays_every_token_in_fewer_events(
+    replicas: list[FakeReplica], local: tuple, tmp_path: Path
+) -> None:
+    for r in replicas:
+        r.fault, r.delay, r.words = None, 0.05, 7  # paced: each chunk its own event
+        r.requests.clear()
+    with upstream_server(replicas, tmp_path, local, upstream_stream_interval=3) as served:
+        url, backend, _, _ = served
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Hi"}],
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+            headers={"authorization": "Bearer t1"},
+        ) as resp:
+            assert resp.status_code == 200
+            events = [json.loads(line[6:]) for line in resp.iter_lines() if line[6:7] == "{"]
+        deltas = [c["delta"].get("content") for e in events for c in e["choices"]]
+        text = "".join(d for d in deltas if d)
+        assert text.endswith("] w1 w2 w3 w4 w5 w6 w7 "), text
+        assert len([d for d in deltas if d]) == 4  # 1 + 3 + 3 + 1 tokens
+        assert events[-1]["usage"]["completion_tokens"] == 8
+        assert [b["stream_interval"] for r in replicas for b in r.requests] == [3]
+        assert backend.stats().itl_p50_s is not None
+    for r in replicas:
+        r.words = 4
 
 
 def test_a_killed_replica_hands_the_whole_conversation_to_the_other(up, replicas) -> None:  # noqa: ANN001
@@ -398,3 +444,22 @@ def test_stats_metrics_admin_and_drain(up, replicas) -> None:  # noqa: ANN001
         assert ask(url, "again", sid).status_code == 200
     assert not replicas[0].requests and len(replicas[1].requests) == 8
     assert set(replicas_table(monitor)["state"]) == {"draining", "up"}
+
+
+# last in this file: its relay rate stays in the backend's 10 s window, and with it bigger
+# chunks, which the shared server's other tests do not expect
+def test_a_busy_relay_asks_the_upstream_for_fewer_bigger_chunks(up, replicas) -> None:  # noqa: ANN001
+    url, backend, _, _ = up
+    for r in replicas:
+        r.delay, r.words = 0.01, 20  # 100 tokens/s per stream, 16 per reply
+    intervals: list[int] = []
+    with ThreadPoolExecutor(32) as pool:
+        while max(intervals, default=1) == 1:  # until the 10 s window's rate tops 250/s
+            assert len(intervals) < 32 * 12, intervals
+            replies = list(pool.map(lambda i: ask(url, "hi", key=f"crowd-{i}"), range(32)))
+            assert all(r.status_code == 200 for r in replies)
+            assert all(r.json()["usage"]["completion_tokens"] == 16 for r in replies)
+            text = [r.json()["choices"][0]["message"]["content"] for r in replies]
+            assert all(t.endswith(" w14 w15 ") for t in text), text
+            intervals = [b.get("stream_interval", 1) for r in replicas for b in r.requests]
+    assert backend.stats().tokens_per_s > 250

@@ -8,6 +8,7 @@ Prometheus counters (`vllm:request_success_total`), one turn at a time.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import time
@@ -80,6 +81,8 @@ def crowdchat(
     env = {
         "CROWDCHAT_ADMIN_PASSWORD": ADMIN_PASSWORD,
         "CROWDCHAT_NEW_IDENTITIES_PER_MINUTE": "1000",
+        # every test streams 3-token chunks from vLLM (its per-request stream_interval)
+        "CROWDCHAT_UPSTREAM_STREAM_INTERVAL": "3",
     }
     app = Launched("crowdchat", cmd, port, data, env)
     try:
@@ -158,6 +161,34 @@ def test_a_session_streams_over_the_api_and_every_turn_is_stored(crowdchat, repl
     assert second.status_code == 200 and second.json()["choices"][0]["message"]["content"]
     roles = [role for role, _ in stored(db, headers["X-Session-Id"])]
     assert roles == ["user", "assistant", "user", "assistant"]
+
+
+def chunks(base: str, body: dict, headers: dict | None = None) -> list[dict]:
+    """The JSON events of a streamed request."""
+    with httpx.stream("POST", base, json=body, headers=headers, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_vllm_gathers_tokens_per_chunk_and_crowdchat_relays_every_one(crowdchat, replicas):
+    model = str(model_dir())
+    body = {"model": model, "prompt": "The sea is", "max_tokens": 9, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": True, "return_token_ids": True}
+    url = replicas[0].base + "/v1/completions"
+    one, three = chunks(url, body), chunks(url, body | {"stream_interval": 3})
+    text = ["".join(c["text"] for e in events for c in e["choices"]) for events in (one, three)]
+    assert text[0] == text[1] and text[0].strip()
+    sizes = [len(c["token_ids"]) for e in three for c in e["choices"] if c.get("token_ids")]
+    assert sum(sizes) == 9 and sizes[0] == 1 and max(sizes) == 3, sizes
+    base, _ = crowdchat  # crowdchat asks its replicas for 3-token chunks (see the fixture)
+    req = {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 10}
+    req |= {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    events = chunks(base + "/v1/chat/completions", req, new_session(base, "chunk-key"))
+    pieces = [
+        c["delta"]["content"] for e in events for c in e["choices"] if c["delta"].get("content")
+    ]
+    assert events[-1]["usage"]["completion_tokens"] == 10
+    assert 1 <= len(pieces) <= 4, pieces  # 1 + 3 + 3 + 3 tokens, not 10 events
 
 
 def test_each_session_sticks_to_one_replica_and_sessions_use_both(crowdchat, replicas):
