@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))  # run as a script: bench/ is then first on the pa
 
 from bench.load import Server, run_point  # noqa: E402
 from bench.peers import provenance  # noqa: E402
-from bench.scale import Front, emit  # noqa: E402
+from bench.scale import Front, add_stream_interval, emit  # noqa: E402
 from bench.vllm_cpu import CACHE, prepare_lock, prepare_model  # noqa: E402
 from tests.fake_upstream import FakeReplica  # noqa: E402
 
@@ -68,6 +68,7 @@ def main() -> None:
     # paced like a real engine (vLLM-CPU here: ~8 tok/s per user at 32 users), so a token
     # mostly arrives alone: an unpaced fake lets every layer merge them and hides their cost
     ap.add_argument("--delay", type=float, default=0.03, help="seconds between fake tokens")
+    add_stream_interval(ap)
     ap.add_argument("--profile", type=Path, help="py-spy raw output file (sessions point)")
     ap.add_argument("--cache", type=Path, default=CACHE)
     args = ap.parse_args()
@@ -80,7 +81,9 @@ def main() -> None:
         f.delay = args.delay
     summary: dict[str, object] = {}
     try:
-        with Front([f.url for f in fakes], model, logs, "crowdchat-frontend") as front:
+        with Front(
+            [f.url for f in fakes], model, logs, "crowdchat-frontend", args.stream_interval
+        ) as front:
             summary["oneoff"] = measure(front, args.users, args.turns, args.tokens, True)
             spy = profile(front.app.proc.pid, 15, args.profile) if args.profile else None
             summary["sessions"] = measure(front, args.users, args.turns, args.tokens, False)
@@ -92,6 +95,7 @@ def main() -> None:
     summary.update(
         workload={"users": args.users, "turns": args.turns, "tokens": args.tokens},
         fake_delay_s=args.delay,
+        stream_interval=args.stream_interval or "auto",
         logs=str(logs),
         **provenance(),
     )

@@ -55,13 +55,25 @@ NO_LIMITS += ["--max-requests-per-user", "0", "--max-pending-creates", "0"]
 NO_LIMITS += ["--max-pending-creates-per-user", "0", "--new-identities-per-minute", "100000"]
 
 
+def add_stream_interval(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--stream-interval",
+        type=int,
+        default=0,
+        help="crowdchat's --upstream-stream-interval (0: its automatic choice; 1: every token)",
+    )
+
+
 class Front:
     """crowdchat over `urls` in its own process, with its CPU time readable."""
 
-    def __init__(self, urls: list[str], model: Path, logs: Path, name: str) -> None:
+    def __init__(
+        self, urls: list[str], model: Path, logs: Path, name: str, stream_interval: int = 0
+    ) -> None:
         self.data = Path(tempfile.mkdtemp(prefix="crowdchat-scale-"))
         port = free_port()
-        cmd = crowdchat_command(urls, model, port, self.data, *NO_LIMITS)
+        flags = [*NO_LIMITS, "--upstream-stream-interval", str(stream_interval)]
+        cmd = crowdchat_command(urls, model, port, self.data, *flags)
         self.app = Launched(name, cmd, port, logs)
         self.base = self.app.wait_ready("/health", timeout=300)
         self.ps = psutil.Process(self.app.proc.pid)
@@ -94,7 +106,7 @@ def emit(name: str, p: dict, **extra: object) -> None:
 def overhead(vllm: str, model: Path, args: argparse.Namespace) -> dict:
     """Direct vs through crowdchat, alternating rounds; crowdchat's CPU per relayed token."""
     direct, via, cpu, relayed = [], [], 0.0, 0
-    with Front([vllm], model, args.logs, "crowdchat-overhead") as front:
+    with Front([vllm], model, args.logs, "crowdchat-overhead", args.stream_interval) as front:
         for r in range(args.rounds):
             d = point(vllm, args.users, args, stateless=True)
             emit("direct", d, round=r)
@@ -164,7 +176,9 @@ def replicas(servers: list[Launched], model: Path, args: argparse.Namespace) -> 
     tps = {}
     for n in (1, 2):
         urls = [s.base for s in servers[:n]]
-        with Front(urls, model, args.logs, f"crowdchat-{n}-replicas") as front:
+        with Front(
+            urls, model, args.logs, f"crowdchat-{n}-replicas", args.stream_interval
+        ) as front:
             p = point(front.base, args.users, args, stateless=False)
             emit(f"replicas_{n}", p)
             tps[n] = p["tokens_per_s"]
@@ -188,7 +202,9 @@ def requests_per_s(model: Path, args: argparse.Namespace) -> dict:
 
     fakes = [FakeReplica(f"fake{i}", words=args.fake_tokens).start() for i in range(2)]
     try:
-        with Front([f.url for f in fakes], model, args.logs, "crowdchat-fake") as front:
+        with Front(
+            [f.url for f in fakes], model, args.logs, "crowdchat-fake", args.stream_interval
+        ) as front:
             server = Server(front.base, [])
             asyncio.run(run_point(server, 4, 1, 8, (0, 0)))  # warm-up
             warm = sum(f.completed for f in fakes)
@@ -225,6 +241,7 @@ def main() -> None:
     ap.add_argument("--kv-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE per replica")
     ap.add_argument("--eager", action="store_true", help="vLLM --enforce-eager (fast start)")
     add_vllm_dtype(ap)
+    add_stream_interval(ap)
     ap.add_argument("--skip", default="", help="comma-separated: overhead,replicas,rps")
     ap.add_argument("--cache", type=Path, default=CACHE)
     args = ap.parse_args()
@@ -253,6 +270,7 @@ def main() -> None:
         workload={"users": args.users, "turns": args.turns, "new_tokens": args.new_tokens},
         vllm=VLLM_PIN,
         vllm_eager=args.eager,
+        stream_interval=args.stream_interval or "auto",
         logs=str(args.logs),
         **provenance(),
     )

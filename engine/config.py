@@ -15,8 +15,9 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 SCHEDULE_CHOICES = ("fair", "fcfs")
 # --upstream-stream-interval 0 (automatic): the relay costs this front end ~0.3 ms of CPU per
-# upstream event (bench/frontend.py); past RELAY_EVENTS_PER_S tokens/s, chunks grow to keep it
-# near that rate, but no chunk holds more than MAX_CHUNK_S of its own stream's tokens
+# upstream event (bench/frontend.py); past RELAY_EVENTS_PER_S tokens/s (the turns in flight at
+# their recent pace), chunks grow to keep it near that many events/s, but no chunk holds more
+# than MAX_CHUNK_S of its own stream's tokens
 RELAY_EVENTS_PER_S = 250
 MAX_CHUNK_S = 0.1
 MAX_STREAM_INTERVAL = 8
@@ -140,7 +141,8 @@ class EngineConfig(Settings):
         object.__setattr__(self, "data_dir", Path(self.data_dir))
 
     def stream_interval(self, tokens_per_s: float, streams: int) -> int:
-        """Tokens per upstream chunk for a new turn while `streams` turns relay `tokens_per_s`."""
+        """Tokens per upstream chunk for a new turn joining `streams` turns (itself included)
+        that relay about `tokens_per_s` in all."""
         if self.upstream_stream_interval:
             return self.upstream_stream_interval
         fewer_events = math.ceil(tokens_per_s / RELAY_EVENTS_PER_S)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -165,6 +166,12 @@ class Metrics:
         if not self.token_times:
             return 0.0
         return self._window_tokens / min(WINDOW_S, max(now - self.token_times[0][0], 1e-3))
+
+    def recent_itl(self, n: int = 64) -> float | None:
+        """The mean of the last `n` inter-token latencies (None before any)."""
+        with self.lock:
+            last = list(itertools.islice(reversed(self.itl), n))
+        return sum(last) / len(last) if last else None
 
     def _add_tokens(self, now: float, n: int) -> None:
         """Count `n` new tokens (the caller holds the lock)."""

@@ -280,9 +280,10 @@ class UpstreamBackend(ConfigFacts):
                     )
                     break
                 tried.add(replica.url)
-                with self.metrics.lock:
-                    rate = self.metrics.tokens_per_s(time.monotonic())
-                interval = self.config.stream_interval(rate, self._pending)
+                # the rate this turn joins: the turns in flight at the recent per-token pace
+                itl, streams = self.metrics.recent_itl(), self._pending
+                rate = streams / itl if itl else 0.0
+                interval = self.config.stream_interval(rate, streams)
                 outcome = await stream_turn(
                     client,
                     self.router,

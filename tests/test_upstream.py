@@ -66,6 +66,9 @@ def upstream_server(
         "engine_url": ",".join(r.url for r in replicas),
         "health_interval_s": 0.2,
         "upstream_wait_s": 5.0,
+        # a token per chunk: the fakes stream so fast that the automatic choice (0) would
+        # gather their tokens; the stream-interval tests below set it
+        "upstream_stream_interval": 1,
     }
     settings.update(overrides)
     backend = UpstreamBackend(EngineConfig(**settings), local=local)  # type: ignore[arg-type]
@@ -277,6 +280,30 @@ def test_the_stream_interval_grows_with_the_relayed_rate_but_keeps_streams_smoot
             EngineConfig(upstream_stream_interval=bad)
 
 
+def test_a_busy_relay_asks_the_upstream_for_fewer_bigger_chunks(
+    replicas: list[FakeReplica], local: tuple, tmp_path: Path
+) -> None:
+    for r in replicas:
+        r.fault, r.delay, r.words = None, 0.01, 20  # 100 tokens/s per stream, 16 per reply
+        r.requests.clear()
+    intervals: list[int] = []
+    with (
+        upstream_server(replicas, tmp_path, local, upstream_stream_interval=0) as (url, *_),
+        ThreadPoolExecutor(32) as pool,
+    ):
+        while max(intervals, default=1) == 1:  # until the pace of the turns is known
+            assert len(intervals) < 32 * 4, intervals
+            replies = list(pool.map(lambda i: ask(url, "hi", key=f"crowd-{i}"), range(32)))
+            assert all(r.status_code == 200 for r in replies)
+            assert all(r.json()["usage"]["completion_tokens"] == 16 for r in replies)
+            text = [r.json()["choices"][0]["message"]["content"] for r in replies]
+            assert all(t.endswith(" w14 w15 ") for t in text), text
+            intervals = [b.get("stream_interval", 1) for r in replicas for b in r.requests]
+    assert intervals[0] == 1  # before any token's pace is known
+    for r in replicas:
+        r.delay, r.words = 0.0, 4
+
+
 def test_a_fixed_stream_interval_relays_every_token_in_fewer_events(
     replicas: list[FakeReplica], local: tuple, tmp_path: Path
 ) -> None:
@@ -444,22 +471,3 @@ def test_stats_metrics_admin_and_drain(up, replicas) -> None:  # noqa: ANN001
         assert ask(url, "again", sid).status_code == 200
     assert not replicas[0].requests and len(replicas[1].requests) == 8
     assert set(replicas_table(monitor)["state"]) == {"draining", "up"}
-
-
-# last in this file: its relay rate stays in the backend's 10 s window, and with it bigger
-# chunks, which the shared server's other tests do not expect
-def test_a_busy_relay_asks_the_upstream_for_fewer_bigger_chunks(up, replicas) -> None:  # noqa: ANN001
-    url, backend, _, _ = up
-    for r in replicas:
-        r.delay, r.words = 0.01, 20  # 100 tokens/s per stream, 16 per reply
-    intervals: list[int] = []
-    with ThreadPoolExecutor(32) as pool:
-        while max(intervals, default=1) == 1:  # until the 10 s window's rate tops 250/s
-            assert len(intervals) < 32 * 12, intervals
-            replies = list(pool.map(lambda i: ask(url, "hi", key=f"crowd-{i}"), range(32)))
-            assert all(r.status_code == 200 for r in replies)
-            assert all(r.json()["usage"]["completion_tokens"] == 16 for r in replies)
-            text = [r.json()["choices"][0]["message"]["content"] for r in replies]
-            assert all(t.endswith(" w14 w15 ") for t in text), text
-            intervals = [b.get("stream_interval", 1) for r in replicas for b in r.requests]
-    assert backend.stats().tokens_per_s > 250
