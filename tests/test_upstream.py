@@ -4,6 +4,7 @@ front of two fake vLLM replicas (real HTTP servers, tests/fake_upstream.py)."""
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from engine import (
     SamplingParams,
 )
 from engine.loader import local_tokenizer
+from engine.metrics import WINDOW_S, Metrics
 from engine.routing import Router, parse_metrics, score
 from engine.upstream import UpstreamBackend
 from engine.upstream_stream import completion_body, sse_lines
@@ -278,6 +280,25 @@ def test_the_stream_interval_grows_with_the_relayed_rate_but_keeps_streams_smoot
     for bad in (-1, 9):
         with pytest.raises(InvalidRequest, match="--upstream-stream-interval"):
             EngineConfig(upstream_stream_interval=bad)
+
+
+def test_the_token_rate_and_recent_itl_follow_their_windows() -> None:
+    m = Metrics()
+    assert m.tokens_per_s(0.0) == 0.0 and m.recent_itl() is None
+    rng = random.Random(12)
+    events = sorted((rng.uniform(0, 30), rng.randint(1, 4)) for _ in range(300))
+    for t, n in events:
+        m.record_tokens(t, n)
+    for now in (30.0, 35.0, 39.9, 45.0):
+        kept = [(t, n) for t, n in events if t >= now - WINDOW_S]
+        with m.lock:
+            rate = m.tokens_per_s(now)
+        want = sum(n for _, n in kept) / min(WINDOW_S, now - kept[0][0]) if kept else 0.0
+        assert rate == pytest.approx(want), now
+    assert m.generated_tokens == sum(n for _, n in events)
+    for gap in range(100):
+        m.itl.append(float(gap))
+    assert m.recent_itl(4) == pytest.approx(97.5)
 
 
 def test_a_busy_relay_asks_the_upstream_for_fewer_bigger_chunks(
