@@ -56,7 +56,8 @@ def profile(pid: int, seconds: float, out: Path) -> subprocess.Popen | None:
     if not Path(spy).exists():
         print(json.dumps({"profile": "py-spy not installed"}), flush=True)
         return None
-    cmd = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw", "--gil"]
+    cmd = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw"]
+    cmd.append("--gil")
     return subprocess.Popen([*cmd, "-o", str(out)], stdout=subprocess.DEVNULL)
 
 
