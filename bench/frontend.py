@@ -56,9 +56,9 @@ def profile(pid: int, seconds: float, out: Path) -> subprocess.Popen | None:
     if not Path(spy).exists():
         print(json.dumps({"profile": "py-spy not installed"}), flush=True)
         return None
-    cmd = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200", "-f", "raw"]
-    cmd.append("--gil")
-    return subprocess.Popen([*cmd, "-o", str(out)], stdout=subprocess.DEVNULL)
+    cmd = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-r", "200"]
+    cmd += ["-f", "raw", "--gil", "-o", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
 
 
 def main() -> None:

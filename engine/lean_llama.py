@@ -129,7 +129,9 @@ def lean_forward(model: nn.Module) -> LeanLlama | None:
 
 
 def _norms(model: nn.Module) -> list[nn.Module]:
+    """The norms the flat forward runs: the final one and those of its layers."""
     inner = model.model
+    layers = inner.layers[: model.config.num_hidden_layers]
     return [inner.norm] + [
-        n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
     ]
