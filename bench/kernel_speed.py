@@ -1,7 +1,9 @@
 """Which weight kernel is fastest here? One engine decode step, timed per kernel and row count.
 
-Loads the embedded model once per mode (`--quant nf4` on PyTorch's int4 kernel with the dense
-copy above 16 rows, the same packed-only, bitsandbytes nf4, and `--quant none`), then times a
+Loads the embedded model once per mode (`--quant nf4` on PyTorch's int4 kernel with its default
+dense copy: FBGEMM's float16 above 4 rows where compute is float32, else a copy in the compute
+dtype above 16; the same with the compute-dtype copy above 16 rows, as before FBGEMM; packed
+only; bitsandbytes nf4; and `--quant none`), then times a
 decode step of 1, 8 and 32 sequences (contexts ~100 tokens) and a 500-token prefill, in
 interleaved rounds so that a noisy machine slows every mode alike. One JSON line per mode,
 then a summary with each mode's step times over bitsandbytes' and the machine.
@@ -28,17 +30,19 @@ from engine.scheduler import StepPlan  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 
 MODES = {
-    "torch_int4_dense_above_16": {"quant": "nf4", "cpu_dense_above": 16},
+    "torch_int4_default": {"quant": "nf4"},
+    # the dense copy in the compute dtype above 16 rows (the default before FBGEMM's float16)
+    "torch_int4_dense_above_16": {"quant": "nf4", "cpu_dense_above": 16, "no_fp16": True},
     # the same without issue 9's cuts (q/k/v and gate/up fused, one-op RMSNorm): before/after
     # in one run
-    "torch_int4_unfused": {"quant": "nf4", "cpu_dense_above": 16, "unfused": True},
+    "torch_int4_unfused": {"quant": "nf4", "unfused": True},
     # the default path through transformers' Llama code instead of engine.lean_llama
-    "torch_int4_transformers_forward": {"quant": "nf4", "cpu_dense_above": 16, "hf": True},
+    "torch_int4_transformers_forward": {"quant": "nf4", "hf": True},
     "torch_int4_packed_only": {"quant": "nf4", "cpu_dense_above": 0},
     "bitsandbytes_nf4": {"quant": "nf4", "bnb": True},
     "dense": {"quant": "none"},
 }
-ROWS = (1, 8, 32)
+ROWS = (1, 4, 8, 32)
 
 
 def cpu_name() -> str:
@@ -49,15 +53,18 @@ def cpu_name() -> str:
 
 
 def load(mode: dict, data_dir: Path) -> Engine:
-    settings = {k: v for k, v in mode.items() if k not in ("bnb", "unfused", "hf")}
+    settings = {k: v for k, v in mode.items() if k not in ("bnb", "unfused", "hf", "no_fp16")}
     config = EngineConfig(data_dir=data_dir, kv_budget_mb=256, **settings)  # type: ignore[arg-type]
-    available, fuse, norms = (
+    available, fp16, fuse, norms = (
         cpu_quant.available,
+        cpu_quant.fp16_gemm_available,
         fused_proj.fuse_projections,
         model_runner.fuse_norms,
     )
     if mode.get("bnb"):
         cpu_quant.available = lambda: False  # the loader then takes bitsandbytes
+    if mode.get("no_fp16"):
+        cpu_quant.fp16_gemm_available = lambda: False
     if mode.get("unfused"):
         fused_proj.fuse_projections = lambda *a: 0
         model_runner.fuse_norms = lambda *a: 0
@@ -66,6 +73,7 @@ def load(mode: dict, data_dir: Path) -> Engine:
         engine = Engine(config, loaded)
     finally:
         cpu_quant.available, fused_proj.fuse_projections = available, fuse
+        cpu_quant.fp16_gemm_available = fp16
         model_runner.fuse_norms = norms
     engine.shutdown()  # drive the runner on this thread
     if mode.get("hf"):
@@ -150,18 +158,20 @@ def main() -> None:
             for r in ROWS:
                 key = f"decode_{r}_ms"
                 summary[f"{n}_decode_{r}_vs_bnb"] = round(base[key] / result[n][key], 2)
-    before, after = result.get("torch_int4_unfused"), result.get("torch_int4_dense_above_16")
-    if before and after:  # issue 9: the default path over the same without its cuts
-        for key in [f"decode_{r}_ms" for r in ROWS] + ["prefill_500_ms"]:
-            summary[f"issue9_{key.removesuffix('_ms')}_speedup"] = round(
-                before[key] / after[key], 3
-            )
-    hf = result.get("torch_int4_transformers_forward")
-    if hf and after:  # the flat forward over transformers' modules, same weights and kernels
-        for key in [f"decode_{r}_ms" for r in ROWS] + ["prefill_500_ms"]:
-            summary[f"lean_forward_{key.removesuffix('_ms')}_speedup"] = round(
-                hf[key] / after[key], 3
-            )
+    after = result.get("torch_int4_default")
+    # the default path over the same without issue 9's cuts, with the compute-dtype dense copy
+    # (before FBGEMM's float16), and through transformers' modules (before the flat forward)
+    befores = {
+        "issue9": "torch_int4_unfused",
+        "fp16_dense": "torch_int4_dense_above_16",
+        "lean_forward": "torch_int4_transformers_forward",
+    }
+    for label, mode in befores.items():
+        before = result.get(mode)
+        if before and after:
+            for key in [f"decode_{r}_ms" for r in ROWS] + ["prefill_500_ms"]:
+                speedup = round(before[key] / after[key], 3)
+                summary[f"{label}_{key.removesuffix('_ms')}_speedup"] = speedup
     print(json.dumps(summary), flush=True)
 
 

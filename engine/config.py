@@ -73,10 +73,11 @@ class EngineConfig(Settings):
         choices=SCHEDULE_CHOICES,
     )
     threads: int | None = setting(None, "torch intra-op threads on CPU (off: torch's default)")
-    cpu_dense_above: int = setting(
-        16,
+    cpu_dense_above: int | None = setting(
+        None,
         "CPU with --quant: steps of more rows than this use a dense copy of the same "
-        "quantized weights (faster for big batches, more RAM); 0: packed weights only",
+        "quantized weights (faster for big batches, more RAM; off: 4 where it is float16 on "
+        "FBGEMM, with float32 compute, else 16); 0: packed weights only",
     )
 
     engine_url: str | None = setting(
@@ -125,7 +126,10 @@ class EngineConfig(Settings):
         need(self.target_itl_ms is None or self.target_itl_ms > 0, "--target-itl-ms must be > 0")
         need(self.schedule in SCHEDULE_CHOICES, f"--schedule must be one of {SCHEDULE_CHOICES}")
         need(self.threads is None or self.threads >= 1, "--threads must be >= 1")
-        need(self.cpu_dense_above >= 0, "--cpu-dense-above must be >= 0")
+        need(
+            self.cpu_dense_above is None or self.cpu_dense_above >= 0,
+            "--cpu-dense-above must be >= 0",
+        )
         need(self.upstream_first_token_s > 0, "--upstream-first-token-s must be > 0")
         need(self.upstream_idle_s > 0, "--upstream-idle-s must be > 0")
         need(

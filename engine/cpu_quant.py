@@ -11,15 +11,22 @@ modes: it is the largest matrix, and 8 bits keep the logits close.
 
 The kernels are fast with bfloat16 activations only (their float32 paths are scalar), so
 activations are cast to bfloat16 around the matmul and back. Where a step's rows are many
-(a prefill chunk, a crowd of decodes) a dense matmul of the *dequantized* weights is faster
-on CPUs without native bfloat16; a dense copy of the same quantized values is kept for that
-when the operator allows the memory (`--cpu-dense-above`), so both paths compute the same model,
-rounded the same way (bf16 in and out).
+(a prefill chunk, a crowd of decodes) a dense matmul of the *dequantized* weights is faster;
+a dense copy of the same quantized values is kept for that when the operator allows the memory
+(`--cpu-dense-above`), rounded the same way as the kernels (bf16 in and out), so both paths
+compute the same model. Where compute is float32 (CPUs without native bfloat16) that copy is
+float16, packed for FBGEMM's fp16 GEMM (`quantized::linear_dynamic_fp16`, in PyTorch core: it
+widens the weights to float32 in registers, so it reads half the bytes of a float32 matmul and
+is 1.5-2.5x faster at 8-64 rows on the 2-core AVX2 EPYC; README "Which kernel runs where"). Every
+weight rounds to float16 within 2**-11 of itself (relative), far below the bf16 rounding of
+the activations (2**-8). The output projection then runs on a float16 copy at every row count:
+there FBGEMM was faster than the int8 kernel even at one row.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,14 +41,91 @@ GROUP_SIZE = 32
 KERNEL_DTYPE = torch.bfloat16
 
 
-class Int4Linear(nn.Module):
+# Rows per step above which the dense copy runs, by its kind (`--cpu-dense-above` unset). On
+# the 2-core AVX2 EPYC one layer's four projections took 0.66 / 0.91 / 1.50 ms on the int4 kernel
+# at 1 / 4 / 6 rows and 0.89 / 0.98 / 1.01 on FBGEMM's fp16 GEMM; bf16 dense copies (on CPUs
+# with native bf16) overtook the kernel past 16 rows.
+FP16_DENSE_ABOVE = 4
+DENSE_ABOVE = 16
+
+
+def fp16_gemm_available() -> bool:
+    """Whether this torch build and CPU run FBGEMM's fp16 GEMM (x86 with AVX2)."""
+    return (
+        "fbgemm" in torch.backends.quantized.supported_engines
+        and torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+    )
+
+
+class DenseCopy(nn.Module):
+    """The quantized weights' values as a dense matrix `[N, K]`, for steps of many rows:
+    float16 packed for FBGEMM where compute is float32 (`fp16`), else in the compute dtype."""
+
+    def __init__(self, values: torch.Tensor, dtype: torch.dtype, fp16: bool) -> None:
+        super().__init__()
+        self.fp16 = fp16
+        self.packed = None
+        if fp16:
+            self.packed = torch.ops.quantized.linear_prepack_fp16(values.float().contiguous(), None)
+        self.register_buffer("weight", None if fp16 else values.to(dtype), persistent=False)
+        self.nbytes = values.numel() * (2 if fp16 else self.weight.element_size())
+
+    def values(self) -> torch.Tensor:
+        """The weights this copy computes with, as float32 `[N, K]`."""
+        if self.packed is not None:
+            return torch.ops.quantized.linear_unpack_fp16(self.packed)[0]
+        return self.weight.float()
+
+    def forward(self, x: torch.Tensor, sizes: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+        """`x W^T`, rounded as the kernels round (bf16 in, bf16 out), so a sequence's logits do
+        not depend on whether its step had few rows (kernel) or many (this copy); split into
+        `sizes` along the output when given. FBGEMM computes each output column the same way
+        whatever the matrix's width, so one call serves every part; a bf16 GEMM is blocked by
+        its width too and can round a part 1 ulp differently (measured at 237 rows), so there
+        each part is its own matmul."""
+        rounded = x if x.dtype == KERNEL_DTYPE else x.to(KERNEL_DTYPE).to(x.dtype)
+        if self.packed is not None:
+            y = torch.ops.quantized.linear_dynamic_fp16(rounded, self.packed)
+            parts = y.split(sizes, dim=-1) if sizes else (y,)
+        else:
+            weights = self.weight.split(sizes) if sizes else (self.weight,)
+            parts = tuple(F.linear(rounded, w) for w in weights)
+        if x.dtype == KERNEL_DTYPE:
+            return parts
+        return tuple(p.to(KERNEL_DTYPE).to(x.dtype) for p in parts)
+
+
+class QuantLinear(nn.Module):
+    """A weight-only quantized linear: the packed kernel for few rows, the dense copy (when
+    kept) for more than `dense_rows`."""
+
+    def __init__(self, n: int, k: int, dense: DenseCopy | None, dense_rows: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = k, n
+        self.dense = dense
+        self.dense_rows = dense_rows
+
+    def uses_dense(self, x: torch.Tensor) -> bool:
+        return self.dense is not None and x.numel() // self.in_features > self.dense_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.uses_dense(x):
+            return self.dense(x)[0]
+        shape = x.shape
+        y = self.kernel(x.reshape(-1, self.in_features).to(KERNEL_DTYPE))
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """`x W^T` on the packed weights, `x` in bf16 `[rows, K]`."""
+        raise NotImplementedError
+
+
+class Int4Linear(QuantLinear):
     """y = x W^T with W in 4 bits, groups of 32 along K, each `(q - 8) * scale + zero`."""
 
-    def __init__(self, weight: torch.Tensor, dense_rows: int | None) -> None:
-        super().__init__()
+    def __init__(self, weight: torch.Tensor, dense: DenseKind | None) -> None:
         n, k = weight.shape
-        self.in_features, self.out_features = k, n
-        self.group_size = g = GROUP_SIZE
+        g = GROUP_SIZE
         w = weight.detach().float().view(n, k // g, g)
         lo, hi = w.amin(-1), w.amax(-1)
         # the kernel takes its scale and zero (the value of q = 8) in bfloat16: round them
@@ -50,75 +134,60 @@ class Int4Linear(nn.Module):
         zeros = (lo + 8 * scale).to(KERNEL_DTYPE).float()
         q = torch.round((w - zeros[..., None]) / scale[..., None]) + 8
         q = q.clamp(0, 15).to(torch.int32).view(n, k)
+        sz = torch.stack([scale.t(), zeros.t()], -1).contiguous().to(KERNEL_DTYPE)
+        copy = None
+        if dense is not None:
+            # the same values the kernel computes with (bf16 scales)
+            s, z = sz[..., 0].t().float(), sz[..., 1].t().float()  # [N, K/32]
+            copy = dense.copy(((q.view(n, -1, g) - 8) * s[..., None] + z[..., None]).view(n, k))
+        super().__init__(n, k, copy, dense.rows if dense else 0)
+        self.group_size = g
         self.register_buffer(
             "packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), persistent=False
         )
-        sz = torch.stack([scale.t(), zeros.t()], -1).contiguous().to(KERNEL_DTYPE)
         self.register_buffer("scales_and_zeros", sz, persistent=False)  # [K/32, N, 2]
-        dense = None
-        if dense_rows is not None:
-            # the same values the kernel computes with (bf16 scales), in the activation dtype
-            s, z = sz[..., 0].t().float(), sz[..., 1].t().float()  # [N, K/32]
-            deq = (q.view(n, -1, g) - 8) * s[..., None] + z[..., None]
-            dense = deq.view(n, k).to(weight.dtype)
-        self.register_buffer("dense", dense, persistent=False)
-        self.dense_rows = dense_rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if self.dense is not None and x2.shape[0] > self.dense_rows:
-            return _like_kernel(x, self.dense)
-        y = torch._weight_int4pack_mm_for_cpu(  # torch's binding: ~4 us less a call than ops.aten
-            x2.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_and_zeros
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        # torch's binding: ~4 us less a call than ops.aten
+        return torch._weight_int4pack_mm_for_cpu(
+            x, self.packed, self.group_size, self.scales_and_zeros
         )
-        return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(QuantLinear):
     """y = x W^T with W in int8, one symmetric scale per output channel."""
 
-    def __init__(self, weight: torch.Tensor, dense_rows: int | None) -> None:
-        super().__init__()
+    def __init__(self, weight: torch.Tensor, dense: DenseKind | None) -> None:
         n, k = weight.shape
-        self.in_features, self.out_features = k, n
         w = weight.detach().float()
         scale = _bf16_at_least(w.abs().amax(1) / 127)  # the kernel's scale is bfloat16
         q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
+        copy = dense.copy(q.float() * scale[:, None]) if dense is not None else None
+        super().__init__(n, k, copy, dense.rows if dense else 0)
         self.register_buffer("qweight", q, persistent=False)
         self.register_buffer("scales", scale.to(KERNEL_DTYPE), persistent=False)
-        dense = None
-        if dense_rows is not None:
-            dense = (q.float() * self.scales.float()[:, None]).to(weight.dtype)
-        self.register_buffer("dense", dense, persistent=False)
-        self.dense_rows = dense_rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if self.dense is not None and x2.shape[0] > self.dense_rows:
-            return _like_kernel(x, self.dense)
-        y = torch._weight_int8pack_mm(x2.to(KERNEL_DTYPE), self.qweight, self.scales)
-        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.qweight, self.scales)
 
 
-def _like_kernel(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """The dense path rounded as the kernels round (bf16 in, bf16 out), so a sequence's
-    logits do not depend on whether its step had few rows (kernel) or many (dense)."""
-    if x.dtype == KERNEL_DTYPE:
-        return F.linear(x, dense)
-    return F.linear(x.to(KERNEL_DTYPE).to(x.dtype), dense).to(KERNEL_DTYPE).to(x.dtype)
+@dataclass(frozen=True)
+class DenseKind:
+    """Which dense copy the quantized linears keep, and above how many rows it runs."""
+
+    dtype: torch.dtype  # the compute dtype
+    fp16: bool  # packed float16 for FBGEMM, else a copy in `dtype`
+    rows: int
+
+    def copy(self, values: torch.Tensor) -> DenseCopy:
+        return DenseCopy(values, self.dtype, self.fp16)
 
 
 def split_forward(linear: nn.Module, x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
     """`linear(x)` split into `sizes` along the output. On the packed kernel one call computes
-    every part (bitwise what separate matrices give); on the dense copy each part is its own
-    matmul, because oneDNN blocks a bf16 GEMM by its width too and a wider one can round
-    differently (measured: 1 bf16 ulp at 237 rows), while at many rows a call's overhead is
-    nothing next to its arithmetic."""
-    dense = getattr(linear, "dense", None)
-    if dense is not None and x.numel() // linear.in_features > linear.dense_rows:
-        return tuple(_like_kernel(x, w) for w in dense.split(sizes))
+    every part (bitwise what separate matrices give); on the dense copy as `DenseCopy` does."""
+    if linear.uses_dense(x):
+        return linear.dense(x, sizes)
     return linear(x).split(sizes, dim=-1)
 
 
@@ -135,38 +204,69 @@ def available() -> bool:
     return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_weight_int8pack_mm")
 
 
+class Fp16Linear(QuantLinear):
+    """y = x W^T on FBGEMM's float16 GEMM at every row count: the output projection where
+    compute is float32 and dense copies are kept (faster than the int8 kernel from one row)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        super().__init__(n, k, DenseCopy(weight.detach(), torch.float32, fp16=True), -1)
+
+
+def dense_kind(dtype: torch.dtype, dense_rows: int | None) -> DenseKind | None:
+    """The dense copy for `--cpu-dense-above` (`None`: the default for its kind; 0: none)."""
+    if dense_rows == 0:
+        return None
+    fp16 = dtype == torch.float32 and fp16_gemm_available()
+    default = FP16_DENSE_ABOVE if fp16 else DENSE_ABOVE
+    return DenseKind(dtype, fp16, default if dense_rows is None else dense_rows)
+
+
 def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
     """Replace the decoder's linears (int4 or int8 per `quant`) and the output projection
-    (int8) in place. Returns the kernel's name for the KV fingerprint and the admin page."""
+    (int8, or float16 beside float16 dense copies) in place. Returns the kernels' name for the
+    KV fingerprint and the admin page."""
     from engine.fused_proj import fuse_projections  # it builds on this module's linears
 
+    dense = dense_kind(model.dtype, dense_rows)
     make = Int4Linear if quant == "nf4" else Int8Linear
     # q/k/v and gate/up first, each group as one packed matrix (see engine.fused_proj)
     groups = fuse_projections(
         model,
-        lambda w: make(w, dense_rows),
+        lambda w: make(w, dense),
         split_forward,
         lambda m: make is not Int4Linear or m.in_features % GROUP_SIZE == 0,
     )
     swapped = 0
+    head = "int8"
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.bias is not None:
                 continue
-            lm_head = child is model.get_output_embeddings()
-            k = child.in_features
-            if lm_head:
-                setattr(parent, name, Int8Linear(child.weight, dense_rows))
-            elif make is Int4Linear and k % GROUP_SIZE:
+            if child is model.get_output_embeddings():
+                if dense is not None and dense.fp16:
+                    setattr(parent, name, Fp16Linear(child.weight))
+                    head = "fp16"
+                else:
+                    setattr(parent, name, Int8Linear(child.weight, dense))
+            elif make is Int4Linear and child.in_features % GROUP_SIZE:
                 continue  # a shape the int4 kernel cannot group: stays dense
             else:
-                setattr(parent, name, make(child.weight, dense_rows))
+                setattr(parent, name, make(child.weight, dense))
             swapped += 1
     log.info(
-        "CPU weight-only %s on %d linears + %d fused groups (dense above %s rows)",
+        "CPU weight-only %s on %d linears + %d fused groups, output projection %s, %s",
         quant,
         swapped,
         groups,
-        dense_rows,
+        head,
+        dense,
     )
-    return f"torch-int4g{GROUP_SIZE}" if quant == "nf4" else "torch-int8"
+    name = f"torch-int4g{GROUP_SIZE}" if quant == "nf4" else "torch-int8"
+    return name + "+fp16" if dense is not None and dense.fp16 else name
+
+
+def dense_copy_bytes(model: nn.Module) -> int:
+    """Bytes of the FBGEMM-packed copies, which `get_memory_footprint` (parameters and buffers)
+    does not see."""
+    return sum(m.nbytes for m in model.modules() if isinstance(m, DenseCopy) and m.fp16)

@@ -226,7 +226,7 @@ def _load_model(config: EngineConfig) -> LoadedModel:
     kernel = "dense" if config.quant == "none" else "bitsandbytes"
     if torch_kernels:
         with torch.inference_mode():
-            kernel = cpu_quant.quantize_model(model, config.quant, config.cpu_dense_above or None)
+            kernel = cpu_quant.quantize_model(model, config.quant, config.cpu_dense_above)
     mc = model.config
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     loaded = LoadedModel(
@@ -238,7 +238,7 @@ def _load_model(config: EngineConfig) -> LoadedModel:
         kernel=kernel,
         device=device,
         dtype=dtype,
-        model_bytes=model.get_memory_footprint(),
+        model_bytes=model.get_memory_footprint() + cpu_quant.dense_copy_bytes(model),
         num_layers=mc.num_hidden_layers,
         num_kv_heads=getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,
         head_dim=head_dim,

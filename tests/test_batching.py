@@ -26,8 +26,10 @@ QUESTIONS = [
     "them, and say which one you would most like to visit and why.",
 ]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=64)
-# How far (in logit standard deviations) batch shape may move nf4 logits. Measured: 0.0 on a
-# 2-core EPYC without AVX512 (float32 compute); 0.23 on a 2-core Xeon with AMX-BF16 (bf16
+# How far (in logit standard deviations) batch shape may move nf4 logits. Measured: 0.11 on a
+# 2-core EPYC without AVX512 (float32 compute: FBGEMM's float16 dense copy blocks rows by their
+# count, and a step of <= 4 rows takes the int4 kernel; 0.0 with the float32 copies it
+# replaced, 2026-12-01); 0.23 on a 2-core Xeon with AMX-BF16 (bf16
 # compute: oneDNN blocks a bf16 GEMM by its row count, and a step of <= 16 rows takes the int4
 # kernel, more rows the dense copy); 0.74 for bitsandbytes' CUDA kernels on an H200. The
 # quantization itself moves them up to 3 deviations from float32, and a real batching bug (a
@@ -103,14 +105,25 @@ def test_nf4_batched_logits_match_solo_within_tolerance(
     mk = lambda: [Sequence(list(p), GREEDY) for p in ps]  # noqa: E731
     batched = first_step_logits(engine, mk())
     solo = torch.cat([first_step_logits(engine, [s]) for s in mk()])
-    assert torch.equal(batched.argmax(-1), solo.argmax(-1))
-    spread = solo.std(dim=-1, keepdim=True)
-    assert ((batched - solo).abs() / spread).max() < NF4_TOLERANCE
+    assert_same_top_within_tolerance(batched, solo)
+    # a decode step of 8 rows runs the dense copy (above --cpu-dense-above's 4 with FBGEMM's
+    # float16), each alone the packed kernel
     dec_batched = decode_logits(engine, mk())
     dec_solo = torch.cat([decode_logits(engine, [s]) for s in mk()])
-    assert torch.equal(dec_batched.argmax(-1), dec_solo.argmax(-1))
-    assert ((dec_batched - dec_solo).abs() / spread).max() < NF4_TOLERANCE
+    assert_same_top_within_tolerance(dec_batched, dec_solo)
     engine.check_integrity()
+
+
+def assert_same_top_within_tolerance(batched: torch.Tensor, solo: torch.Tensor) -> None:
+    """Logits within NF4_TOLERANCE deviations, and the same top token, unless solo's top two
+    lie closer than the rounding measured on that row (a near tie may fall either way)."""
+    spread = solo.std(dim=-1, keepdim=True)
+    assert ((batched - solo).abs() / spread).max() < NF4_TOLERANCE
+    noise = (batched - solo).abs().amax(dim=-1)
+    top = batched.argmax(-1)
+    for row in range(len(solo)):
+        gap = solo[row].max() - solo[row, top[row]]
+        assert gap <= 2 * noise[row], (row, gap.item(), noise[row].item())
 
 
 def test_fp32_chunked_prefill_changes_nothing(fp32_model: LoadedModel, tmp_path: Path) -> None:
@@ -212,6 +225,5 @@ def test_nf4_logits_on_reused_kv_match_a_cold_prefill_within_tolerance(
         reused = engine.runner.forward(StepPlan(prefills=[(seq, len(p) - cut)])).float()
     finally:
         engine.pool.free(seq.block_table)
-    assert torch.equal(reused.argmax(-1), whole.argmax(-1))
-    assert ((reused - whole).abs() / whole.std(dim=-1, keepdim=True)).max() < NF4_TOLERANCE
+    assert_same_top_within_tolerance(reused, whole)
     engine.check_integrity()
