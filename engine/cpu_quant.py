@@ -7,7 +7,8 @@ PyTorch core ships weight-only kernels that read the packed weights directly
 `--quant nf4` therefore means 4-bit weights in groups of 32 along the input, each with a scale
 and a minimum (GGUF's Q4_1 format), and `--quant int8` means int8 weights with one scale per
 output channel. The output projection (tied to the embeddings in small models) is int8 in both
-modes: it is the largest matrix, and 8 bits keep the logits close.
+modes (float16 beside float16 dense copies, below): it is the largest matrix, and 8 bits keep
+the logits close.
 
 The kernels are fast with bfloat16 activations only (their float32 paths are scalar), so
 activations are cast to bfloat16 around the matmul and back. Where a step's rows are many
@@ -77,8 +78,8 @@ class DenseCopy(nn.Module):
         return self.weight.float()
 
     def forward(self, x: torch.Tensor, sizes: list[int] | None = None) -> tuple[torch.Tensor, ...]:
-        """`x W^T`, rounded as the kernels round (bf16 in, bf16 out), so a sequence's logits do
-        not depend on whether its step had few rows (kernel) or many (this copy); split into
+        """`x W^T`, rounded as the kernels round (bf16 in, bf16 out), so a sequence's logits
+        barely depend on whether its step had few rows (kernel) or many (this copy); split into
         `sizes` along the output when given. FBGEMM computes each output column the same way
         whatever the matrix's width, so one call serves every part; a bf16 GEMM is blocked by
         its width too and can round a part 1 ulp differently (measured at 237 rows), so there
@@ -171,6 +172,15 @@ class Int8Linear(QuantLinear):
         return torch._weight_int8pack_mm(x, self.qweight, self.scales)
 
 
+class Fp16Linear(QuantLinear):
+    """y = x W^T on FBGEMM's float16 GEMM at every row count: the output projection where
+    compute is float32 and dense copies are kept (faster than the int8 kernel from one row)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        super().__init__(n, k, DenseCopy(weight.detach(), torch.float32, fp16=True), -1)
+
+
 @dataclass(frozen=True)
 class DenseKind:
     """Which dense copy the quantized linears keep, and above how many rows it runs."""
@@ -202,15 +212,6 @@ def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
 def available() -> bool:
     """Whether this torch build has the CPU weight-only kernels."""
     return hasattr(torch, "_weight_int4pack_mm_for_cpu") and hasattr(torch, "_weight_int8pack_mm")
-
-
-class Fp16Linear(QuantLinear):
-    """y = x W^T on FBGEMM's float16 GEMM at every row count: the output projection where
-    compute is float32 and dense copies are kept (faster than the int8 kernel from one row)."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        n, k = weight.shape
-        super().__init__(n, k, DenseCopy(weight.detach(), torch.float32, fp16=True), -1)
 
 
 def dense_kind(dtype: torch.dtype, dense_rows: int | None) -> DenseKind | None:
