@@ -64,12 +64,12 @@ class DenseCopy(nn.Module):
 
     def __init__(self, values: torch.Tensor, dtype: torch.dtype, fp16: bool) -> None:
         super().__init__()
-        self.fp16 = fp16
         self.packed = None
         if fp16:
             self.packed = torch.ops.quantized.linear_prepack_fp16(values.float().contiguous(), None)
         self.register_buffer("weight", None if fp16 else values.to(dtype), persistent=False)
-        self.nbytes = values.numel() * (2 if fp16 else self.weight.element_size())
+        # what `get_memory_footprint` (parameters and buffers) cannot see in the packed object
+        self.packed_bytes = values.numel() * 2 if fp16 else 0
 
     def values(self) -> torch.Tensor:
         """The weights this copy computes with, as float32 `[N, K]`."""
@@ -270,4 +270,4 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
 def dense_copy_bytes(model: nn.Module) -> int:
     """Bytes of the FBGEMM-packed copies, which `get_memory_footprint` (parameters and buffers)
     does not see."""
-    return sum(m.nbytes for m in model.modules() if isinstance(m, DenseCopy) and m.fp16)
+    return sum(m.packed_bytes for m in model.modules() if isinstance(m, DenseCopy))

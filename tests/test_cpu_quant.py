@@ -18,7 +18,7 @@ needs_fbgemm = pytest.mark.skipif(
 DENSE_KINDS = [False, pytest.param(True, marks=needs_fbgemm)]
 
 
-def dense(rows: int, fp16: bool) -> DenseKind:
+def kind_above(rows: int, fp16: bool) -> DenseKind:
     return DenseKind(torch.float32, fp16, rows)
 
 
@@ -40,7 +40,7 @@ def test_int4_repacks_a_4_bit_grid_and_both_paths_compute_the_same_weights(
     gen = torch.Generator().manual_seed(seed)
     n, k = 96, 192
     w = q4_1_weights(gen, n, k)
-    lin = Int4Linear(w, dense(4, fp16))
+    lin = Int4Linear(w, kind_above(4, fp16))
     # the same grid point for every weight: only the kernel's bfloat16 scale and zero round
     # (GGUF keeps them in float16), by far less than a step
     step = w.view(n, -1, GROUP_SIZE).aminmax(dim=-1)
@@ -57,7 +57,7 @@ def test_int4_repacks_a_4_bit_grid_and_both_paths_compute_the_same_weights(
 def test_int8_per_channel_is_within_a_step_of_the_weights(seed: int, fp16: bool) -> None:
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(64, 96, generator=gen) * 0.02
-    lin = Int8Linear(w, dense(2, fp16))
+    lin = Int8Linear(w, kind_above(2, fp16))
     step = w.abs().amax(1, keepdim=True) / 127
     values = lin.dense.values()
     # bf16 scale >= fp32's; float16 rounds each value within 2**-11 of itself
@@ -79,7 +79,7 @@ def test_fp16_copy_computes_each_row_alone_as_in_any_batch() -> None:
     w = torch.randn(200, 96, generator=gen) * 0.05
     head = Fp16Linear(w)
     assert ((head.dense.values() - w).abs() <= w.abs() * 2**-11 + 2**-24).all()
-    lin = Int4Linear(q4_1_weights(gen, 64, 96), dense(4, True))
+    lin = Int4Linear(q4_1_weights(gen, 64, 96), kind_above(4, True))
     for rows in torch.randint(5, 70, (6,), generator=gen).tolist():
         x = torch.randn(1, rows, 96, generator=gen)
         for m in (head, lin):
@@ -126,7 +126,7 @@ def test_a_q4_1_gguf_requantizes_to_int4_without_loss(fp32_model: LoadedModel) -
     scale and zero. Groups of 64 (tried) straddled two blocks, erred ~10x more and broke the
     model's replies ("1.1.1.1..." for "count from 1 to 20")."""
     dense = fp32_model.model.model.layers[0].self_attn.q_proj.weight
-    packed = Int4Linear(dense, DenseKind(torch.float32, False, 1))
+    packed = Int4Linear(dense, kind_above(1, fp16=False))
     assert packed.group_size == 32
     err = (packed.dense.values() - dense).norm() / dense.norm()
     assert err < 0.01, err
