@@ -66,8 +66,8 @@ def paged_attention(
     assert meta is not None, "paged attention runs only inside the engine's model runner"
     layer = module.layer_idx
     kc, vc = meta.k_cache[layer], meta.v_cache[layer]
-    kc.index_copy_(1, meta.slot_mapping, key[0])  # [H_kv, T, D]
-    vc.index_copy_(1, meta.slot_mapping, value[0])
+    kc.index_copy_(1, meta.slot_mapping, key[0].to(kc.dtype))  # [H_kv, T, D]
+    vc.index_copy_(1, meta.slot_mapping, value[0].to(vc.dtype))
     _, h, t, d = query.shape
     out = query.new_empty(t, h, d)
     hkv, bs = kc.shape[0], meta.block_size
@@ -78,22 +78,33 @@ def paged_attention(
         blocks = g.blocks.flatten()
         k = kc.view(hkv, -1, bs, d).index_select(1, blocks).view(hkv, b, nblk * bs, d)
         v = vc.view(hkv, -1, bs, d).index_select(1, blocks).view(hkv, b, nblk * bs, d)
+        # a bf16 pool beside float32 compute: matmuls in float32 (bf16 ones are ~10x slower
+        # without native bf16), after a gather of half the bytes
+        k, v = k.to(query.dtype), v.to(query.dtype)
         out[g.start : g.end] = _decode_attention(query[0, :, g.start : g.end], k, v, g.pad, scaling)
     for c in meta.prefills:
         q = query[:, :, c.start : c.end]  # [1, H, n, D]
         if c.context_slots is None:
-            k, v = key[:, :, c.start : c.end], value[:, :, c.start : c.end]
+            # as the pool stores them: the same K/V whether a prompt is prefilled in one
+            # chunk, in several, or after a restored prefix
+            k = _as_stored(key[:, :, c.start : c.end], kc.dtype)
+            v = _as_stored(value[:, :, c.start : c.end], vc.dtype)
             o = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scaling, enable_gqa=True
             )
         else:
-            k = kc.index_select(1, c.context_slots).unsqueeze(0)  # [1, H_kv, L, D]
-            v = vc.index_select(1, c.context_slots).unsqueeze(0)
+            k = kc.index_select(1, c.context_slots).unsqueeze(0).to(q.dtype)  # [1, H_kv, L, D]
+            v = vc.index_select(1, c.context_slots).unsqueeze(0).to(q.dtype)
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=c.mask, scale=scaling, enable_gqa=True
             )
         out[c.start : c.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _as_stored(x: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:
+    """`x` rounded as a pool of `pool_dtype` stores it, in `x`'s dtype."""
+    return x if x.dtype == pool_dtype else x.to(pool_dtype).to(x.dtype)
 
 
 def _decode_attention(

@@ -40,7 +40,13 @@ class EngineConfig(Settings):
         choices=QUANT_CHOICES,
     )
     dtype: str = setting(
-        "auto", "compute and KV dtype (auto: bfloat16 where native)", choices=DTYPE_CHOICES
+        "auto", "compute dtype (auto: bfloat16 where native)", choices=DTYPE_CHOICES
+    )
+    kv_dtype: str = setting(
+        "auto",
+        "KV pool dtype (auto: bfloat16 on CPU with --quant and float32 compute, where the "
+        "kernels already round K and V to bfloat16 before RoPE; else the compute dtype)",
+        choices=DTYPE_CHOICES,
     )
     device: str = setting("auto", "auto: CUDA when present", choices=DEVICE_CHOICES)
     data_dir: Path = setting(
@@ -112,6 +118,7 @@ class EngineConfig(Settings):
 
         need(self.quant in QUANT_CHOICES, f"--quant must be one of {QUANT_CHOICES}")
         need(self.dtype in DTYPE_CHOICES, f"--dtype must be one of {DTYPE_CHOICES}")
+        need(self.kv_dtype in DTYPE_CHOICES, f"--kv-dtype must be one of {DTYPE_CHOICES}")
         need(self.device in DEVICE_CHOICES, f"--device must be one of {DEVICE_CHOICES}")
         need(self.block_size in (8, 16, 32, 64, 128), "--block-size must be 8, 16, 32, 64 or 128")
         need(self.kv_budget_mb is None or self.kv_budget_mb > 0, "--kv-budget-mb must be > 0")

@@ -88,11 +88,13 @@ class Engine(ConfigFacts):
         self._queue_positions: dict[int, int] = {}
         self._running_ids: frozenset[int] = frozenset()
         log.info(
-            "KV pool: %d blocks x %d tokens = %d tokens, %.1f MB (%d bytes/token); model %.1f MB",
+            "KV pool: %d blocks x %d tokens = %d tokens, %.1f MB (%s, %d bytes/token); "
+            "model %.1f MB",
             num_blocks,
             config.block_size,
             num_blocks * config.block_size,
             self.cache.nbytes / 2**20,
+            str(self.loaded.kv_dtype).removeprefix("torch."),
             self.kv_bytes_per_token,
             self.loaded.model_bytes / 2**20,
         )

@@ -20,7 +20,7 @@ CUDA_ACTIVATION_SLACK = 512 << 20
 
 def bytes_per_token(loaded: LoadedModel) -> int:
     """KV bytes one token costs: K and V, every layer, every KV head."""
-    elem = torch.empty((), dtype=loaded.dtype).element_size()
+    elem = torch.empty((), dtype=loaded.kv_dtype).element_size()
     return 2 * loaded.num_layers * loaded.num_kv_heads * loaded.head_dim * elem
 
 
@@ -81,7 +81,7 @@ class KVCache:
             loaded.num_kv_heads,
             num_blocks * block_size,
             loaded.head_dim,
-            dtype=loaded.dtype,
+            dtype=loaded.kv_dtype,
             device=loaded.device,
         )
         self.k = list(self.data[0])  # per layer: [H_kv, slots, D]

@@ -53,6 +53,7 @@ class LoadedModel:
     quant: str
     device: torch.device
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV pool's (and snapshots') elements
     model_bytes: int
     num_layers: int
     num_kv_heads: int
@@ -73,6 +74,7 @@ class LoadedModel:
             "device": self.device.type,
             "quant": f"{self.quant}/{self.kernel}",
             "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
             "block_size": block_size,
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
@@ -113,6 +115,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     except (AttributeError, RuntimeError):
         native_bf16 = False
     return torch.bfloat16 if native_bf16 else torch.float32
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype, cpu_kernels: bool) -> torch.dtype:
+    """`auto` is bfloat16 where PyTorch's CPU kernels run a float32 model, else `dtype`.
+
+    Those kernels (and the dense copies beside them, engine.cpu_quant) round every projection's
+    output to bfloat16, so V is bfloat16 already and K differs from it only by RoPE: a bfloat16
+    pool stores V exactly, holds twice the tokens of a float32 one, and a decode step reads half
+    the bytes gathering context (README "Which kernel runs where").
+    """
+    if name != "auto":
+        return DTYPES[name]
+    return torch.bfloat16 if cpu_kernels and dtype == torch.float32 else dtype
 
 
 def convert_gguf(gguf: Path, data_dir: Path) -> Path:
@@ -238,6 +253,7 @@ def _load_model(config: EngineConfig) -> LoadedModel:
         kernel=kernel,
         device=device,
         dtype=dtype,
+        kv_dtype=resolve_kv_dtype(config.kv_dtype, dtype, torch_kernels),
         model_bytes=model.get_memory_footprint() + cpu_quant.dense_copy_bytes(model),
         num_layers=mc.num_hidden_layers,
         num_kv_heads=getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,

@@ -43,6 +43,7 @@ def fake_loaded(max_position: int = 512) -> LoadedModel:
         quant="none",
         device=torch.device("cpu"),
         dtype=torch.float32,
+        kv_dtype=torch.float32,
         model_bytes=0,
         num_layers=1,
         num_kv_heads=1,

@@ -51,14 +51,17 @@ def test_streams_a_sensible_reply(nf4_engine: Engine, formatter: ChatFormatter) 
 def test_stream_is_exact_across_multibyte_characters(
     nf4_engine: Engine, formatter: ChatFormatter
 ) -> None:
-    """Deltas never contain half a character, and together they are the decoded reply."""
+    """Deltas never contain half a character, and together they are the decoded reply (one
+    cut off mid-character by `max_new_tokens` ends at its last whole character)."""
     h = nf4_engine.submit(
         ask(formatter, "Reply with emoji only: 🎉🐍🚀 and the word naïve"),
         SamplingParams(temperature=0.9, seed=3, max_new_tokens=48),
     )
     deltas = list(h)
     assert all("\ufffd" not in d for d in deltas)
-    assert "".join(deltas) == nf4_engine.tokenizer.decode(h.token_ids, skip_special_tokens=True)
+    decoded = nf4_engine.tokenizer.decode(h.token_ids, skip_special_tokens=True)
+    assert "".join(deltas) == h.text == decoded.rstrip("\ufffd")
+    assert any(ord(c) > 0xFFFF for c in h.text)  # 4-byte characters did stream
 
 
 def test_stop_string_ends_the_reply_and_is_not_shown(
