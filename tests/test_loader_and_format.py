@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -194,14 +196,27 @@ def test_a_changed_rope_theta_in_config_json_changes_the_fingerprint(
 
 def test_two_processes_converting_the_same_gguf_at_once_both_get_the_copy(tmp_path: Path) -> None:
     """The loser of the final rename finds the winner's complete copy instead of failing
-    ("Directory not empty"), as when a test's vLLM and crowdchat prepare one data dir."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from engine.loader import convert_gguf
-
-    gguf = embedded_gguf()
+    ("Directory not empty"), as when a test's vLLM and crowdchat prepare one data dir. Two
+    processes, as the name says: two threads of one process are not a case transformers
+    supports (its loading sets process-wide defaults; one thread once saved meta tensors)."""
+    code = (
+        "import sys; from pathlib import Path; "
+        "from engine.loader import convert_gguf, embedded_gguf; "
+        "print(convert_gguf(embedded_gguf(), Path(sys.argv[1])))"
+    )
     (tmp_path / "models").mkdir()
-    with ThreadPoolExecutor(2) as pool:
-        dirs = list(pool.map(lambda _: convert_gguf(gguf, tmp_path), range(2)))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)],
+            cwd=Path(__file__).resolve().parent.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    dirs = [Path(out.strip().splitlines()[-1]) for out, _ in outs]
     assert dirs[0] == dirs[1] and (dirs[0] / "config.json").is_file()
     assert not list((tmp_path / "models").glob(".convert-*"))  # no half copy left behind
