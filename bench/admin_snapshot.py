@@ -56,6 +56,8 @@ def snapshot(engine, label: str, monitor: ModuleType) -> dict:  # noqa: ANN001 -
     """The admin page's figures as plain JSON-able values."""
     import torch
 
+    from engine.loader import dtype_name
+
     mem = monitor.memory(engine)
     out = {
         "label": label,
@@ -64,7 +66,7 @@ def snapshot(engine, label: str, monitor: ModuleType) -> dict:  # noqa: ANN001 -
         "stats": dataclasses.asdict(engine.stats()),
         "model_id": engine.loaded.model_id,
         "quant": engine.loaded.quant,
-        "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+        "dtype": dtype_name(engine.loaded.dtype),
         "torch": torch.__version__,
     }
     if engine.loaded.device.type == "cuda":

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import Engine, EngineConfig, SamplingParams, cpu_quant, fused_proj, model_runner  # noqa: E402
-from engine.loader import load_model  # noqa: E402
+from engine.loader import dtype_name, load_model  # noqa: E402
 from engine.scheduler import StepPlan  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 
@@ -132,7 +132,7 @@ def main() -> None:
     names = args.modes.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         engines = {n: load(MODES[n], Path(tmp)) for n in names}
-        dtype = str(next(iter(engines.values())).loaded.dtype).removeprefix("torch.")
+        dtype = dtype_name(next(iter(engines.values())).loaded.dtype)
         samples: dict[str, dict[str, list[float]]] = {n: {} for n in names}
         for _ in range(args.rounds):
             for n, engine in engines.items():

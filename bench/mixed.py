@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.throughput import TEXT, pct  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.handle import RequestHandle  # noqa: E402
-from engine.loader import LoadedModel, load_model  # noqa: E402
+from engine.loader import LoadedModel, dtype_name, load_model  # noqa: E402
 
 POLL_S = 0.001  # stamping resolution; a step takes tens of milliseconds
 
@@ -168,7 +168,7 @@ def main() -> None:
         "device": str(loaded.device),
         "machine": f"{cpu_name()} {platform.machine()} {torch.get_num_threads()} threads",
         "quant": config.quant,
-        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "dtype": dtype_name(loaded.dtype),
         "short_users": args.short_users,
         "long_tokens": args.long_tokens,
         "alone_itl_p50_s": base,

@@ -77,10 +77,11 @@ def main() -> None:
             for _ in range(args.repeats):
                 # one owner per mode: the prefix cache is per owner, so the recomputed
                 # session cannot borrow the blocks the resident one holds
-                sids = {m: sm.create_session(f"bench-{m}")["id"] for m in times}
+                owners = {m: f"bench-{m}" for m in times}
+                sids = {m: sm.create_session(owners[m])["id"] for m in times}
                 for m, sid in sids.items():
                     sm.chat(
-                        f"bench-{m}", sid, text, SamplingParams(temperature=0, max_new_tokens=16)
+                        owners[m], sid, text, SamplingParams(temperature=0, max_new_tokens=16)
                     ).result()
                 tokens = engine.resident_kv()[sids["resident"]][0]
                 assert sm.persist_now(sids["restore"])
@@ -97,12 +98,12 @@ def main() -> None:
                 engine.reset_prefix_cache()
                 evict_page_cache(path)
                 for mode, sid in sids.items():
-                    seconds, origin = ttft(sm, f"bench-{mode}", sid)
+                    seconds, origin = ttft(sm, owners[mode], sid)
                     expected = {"resident": "resident", "restore": "disk", "recompute": "cold"}
                     assert origin == expected[mode], (mode, origin)
                     times[mode].append(seconds)
                 for m, sid in sids.items():
-                    sm.delete_session(f"bench-{m}", sid)
+                    sm.delete_session(owners[m], sid)
             med = {m: statistics.median(v) for m, v in times.items()}
             row = {
                 "history_tokens": tokens,

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.random_model import is_random  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from engine.loader import LoadedModel, load_model  # noqa: E402
+from engine.loader import LoadedModel, dtype_name, load_model  # noqa: E402
 from engine.metrics import Metrics  # noqa: E402
 from engine.threads import run_in_fresh_thread  # noqa: E402
 
@@ -147,7 +147,7 @@ def main() -> None:
         ),
         "weights": "random" if is_random(config.model) else "real",
         "quant": config.quant,
-        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "dtype": dtype_name(loaded.dtype),
         **{f"users_{n}_tokens_per_s": p["tokens_per_s"] for n, p in points.items()},
         "sequential_tokens_per_s": round(sequential, 2),
         "static_batch_32_tokens_per_s": round(static, 2),

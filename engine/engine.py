@@ -24,7 +24,7 @@ from engine.errors import EngineStopped, InvalidRequest, ServerBusy
 from engine.fair_share import make_policy
 from engine.handle import RequestHandle
 from engine.kv_cache import KVCache, bytes_per_token, pool_blocks
-from engine.loader import LoadedModel, load_model
+from engine.loader import LoadedModel, dtype_name, load_model
 from engine.messages import Call, Cancel, Message, Stop, Submit
 from engine.metrics import EngineStats, Metrics, engine_stats
 from engine.model_runner import ModelRunner, RunnerFactory
@@ -94,7 +94,7 @@ class Engine(ConfigFacts):
             config.block_size,
             num_blocks * config.block_size,
             self.cache.nbytes / 2**20,
-            str(self.loaded.kv_dtype).removeprefix("torch."),
+            dtype_name(self.loaded.kv_dtype),
             self.kv_bytes_per_token,
             self.loaded.model_bytes / 2**20,
         )

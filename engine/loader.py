@@ -42,6 +42,11 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """`float32` for `torch.float32`: the spelling of `--dtype`, fingerprints and reports."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     """The model on its device, its tokenizer, and the facts the KV pool and snapshots need."""
@@ -73,8 +78,8 @@ class LoadedModel:
             "numerics": self.numerics,
             "device": self.device.type,
             "quant": f"{self.quant}/{self.kernel}",
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.dtype),
+            "kv_dtype": dtype_name(self.kv_dtype),
             "block_size": block_size,
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
@@ -267,7 +272,7 @@ def _load_model(config: EngineConfig) -> LoadedModel:
         model_id,
         config.quant,
         kernel,
-        str(dtype).removeprefix("torch."),
+        dtype_name(dtype),
         device,
         loaded.model_bytes / 2**20,
     )
