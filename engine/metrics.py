@@ -98,6 +98,7 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens admitted
     prefix_cache_hits: int = 0  # of them, tokens whose KV was already in the pool
     schedule: str = "fcfs"  # the admission policy (--schedule)
+    kv_dtype: str = ""  # the KV pool's elements (--kv-dtype); "" without a pool
     # (owner label, prompt tokens computed, tokens generated): the most served users, "other"
     served: tuple[tuple[str, int, int], ...] = ()
     alive: bool = True  # False once the engine thread has died or was shut down
@@ -188,6 +189,8 @@ class Metrics:
 
 def engine_stats(engine: Engine) -> EngineStats:
     """A consistent snapshot of the engine's gauges and counters (any thread)."""
+    from engine.loader import dtype_name  # loaded with the engine; upstream needs no torch
+
     m, now = engine.metrics, time.monotonic()
     running, resident_owners, resident_blocks = engine.gauges
     with m.lock:
@@ -225,6 +228,7 @@ def engine_stats(engine: Engine) -> EngineStats:
             prefix_cache_queries=engine.scheduler.prefix_queries,
             prefix_cache_hits=engine.scheduler.prefix_hits,
             schedule=engine.scheduler.policy.name,
+            kv_dtype=dtype_name(engine.loaded.kv_dtype),
             served=tuple(engine.scheduler.policy.served_top(SERVED_TOP)),
             alive=engine.alive,
             failure=engine.failure,

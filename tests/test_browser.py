@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from engine.loader import LoadedModel
+from engine.loader import LoadedModel, dtype_name
 from tests.web import ADMIN_PASSWORD, running_server
 from ui.auth import hash_password
 
@@ -98,6 +98,9 @@ def test_admin_login_and_memory_figures(browser: Browser, server: tuple) -> None
     expect(page.locator("#memory")).to_contain_text("Device memory", timeout=20_000)
     expect(page.locator("#memory")).to_contain_text("KV used")
     expect(page.locator("#totals")).to_contain_text("KV pool")
+    # the pool's dtype beside its bytes a token (bfloat16 on this CPU with nf4, see --kv-dtype)
+    kv_dtype = dtype_name(server[1].loaded.kv_dtype)
+    expect(page.locator("#totals")).to_contain_text(f"MB, {kv_dtype}, ")
     expect(page.locator("#sessions")).to_contain_text("state")
     time.sleep(3)  # a couple of refreshes so the plots have points
     page.screenshot(path=str(ARTIFACTS / "admin.png"), full_page=True)

@@ -63,8 +63,8 @@ def pool_lines(s: EngineStats, monitor: Monitor, length: float) -> list[str]:
         ]
     return [
         f"**KV pool** {s.blocks_used}/{s.blocks_total} blocks of {s.block_size} tokens "
-        f"({s.kv_bytes / MB:,.0f} MB, {s.kv_bytes_per_token:,} bytes/token) · resident "
-        f"sessions {s.resident_owners}",
+        f"({s.kv_bytes / MB:,.0f} MB, {s.kv_dtype}, {s.kv_bytes_per_token:,} bytes/token) · "
+        f"resident sessions {s.resident_owners}",
         f"**Prefix cache** hit rate {prefix_hit_rate(s)} of {s.prefix_cache_queries:,} prompt "
         f"tokens · **blocks shared** {s.blocks_shared} · cached, free {s.blocks_cached}",
         f"**Capacity**: {monitor.fits(int(length))} conversations of {int(length)} tokens fit "
