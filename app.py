@@ -179,15 +179,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"crowdchat: {e}")
     s = engine.stats()
     log.info(
-        "%s: model %.1f MB; KV pool %.1f MB = %d blocks x %d tokens (%d tokens, %s, "
-        "%d bytes/token)",
+        "%s: model %.1f MB; KV pool %.1f MB = %d blocks x %d tokens (%d tokens, %d bytes/token)",
         engine.device_type,
         s.model_bytes / 2**20,
         s.kv_bytes / 2**20,
         s.blocks_total,
         s.block_size,
         s.blocks_total * s.block_size,
-        s.kv_dtype,
         s.kv_bytes_per_token,
     )
     sessions = SessionManager(engine, session_config, engine_config.data_dir)
