@@ -25,6 +25,7 @@ from doors.browser_id import BrowserIds, secret_file
 from doors.config import AppConfig
 from doors.identity import Resolver, identity_of
 from doors.middleware import Doors
+from doors.sign_ins import SignIns
 from doors.throttle import LoginThrottle
 from engine import Backend, CrowdchatError, EngineConfig, open_backend
 from sessions import SessionConfig, SessionManager
@@ -139,9 +140,19 @@ def build_app(
         auth=throttle.guard(users_checker(users)) if users is not None else None,
     )
     resolver.gradio = _gradio_app(app, "")
+    # Gradio's sign-ins never end by themselves: each gets an age limit (doors/sign_ins.py)
+    max_age = config.sign_in_hours * 3600
+    sign_ins = SignIns(max_age, users.password_of) if users is not None else SignIns(max_age)
+    resolver.gradio.tokens = sign_ins  # type: ignore[attr-defined]
+    if users is None and admin_password:  # the admin page's own sign-in
+        _gradio_app(app, "/admin").tokens = SignIns(max_age)  # type: ignore[attr-defined]
     app.add_middleware(Doors, config=config, resolver=resolver, browser_ids=browser_ids)
     app.state.doors = SimpleNamespace(
-        keys=keys, throttle=throttle, browser_ids=browser_ids, resolver=resolver
+        keys=keys,
+        throttle=throttle,
+        browser_ids=browser_ids,
+        resolver=resolver,
+        sign_ins=sign_ins,
     )
     return app, monitor
 

@@ -51,6 +51,11 @@ class AppConfig(Settings):
     login_failures_per_address: int = setting(
         20, "failed sign-ins per client address per minute before sign-in is refused"
     )
+    sign_in_hours: float = setting(
+        24.0,
+        "a browser's sign-in lasts this many hours, then the sign-in form again; changing a "
+        "user's password ends their sign-ins at once",
+    )
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -77,6 +82,7 @@ class AppConfig(Settings):
         )
         need(self.metrics_token is None or len(self.metrics_token) >= 16,
              "--metrics-token must have at least 16 characters")  # fmt: skip
+        need(0 < self.sign_in_hours <= 24 * 366, "--sign-in-hours must be in (0, 8784]")
         need(self.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024")
         for name in ("new_identities_per_minute", "login_failures_per_name",
                      "login_failures_per_address"):  # fmt: skip

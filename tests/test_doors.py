@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import io
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,8 +17,10 @@ import httpx
 import pytest
 from gradio_client import Client
 
+from doors.config import AppConfig
+from engine.errors import InvalidRequest
 from engine.loader import LoadedModel
-from tests.web import running_server
+from tests.web import ADMIN_PASSWORD, running_server
 from ui import auth
 
 PASSWORD = "s3cret-pass"
@@ -25,9 +28,9 @@ METRICS_TOKEN = "metrics-token-0123456789"
 HI = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
 
-def add_user(users: Path, name: str, *flags: str) -> None:
+def add_user(users: Path, name: str, *flags: str, password: str = PASSWORD) -> None:
     old = sys.stdin
-    sys.stdin = io.StringIO(PASSWORD + "\n")
+    sys.stdin = io.StringIO(password + "\n")
     try:
         auth.main([str(users), name, *flags])
     finally:
@@ -169,6 +172,40 @@ def test_admin_needs_the_admin_role_and_non_ascii_names_sign_in(signin: tuple) -
         assert http.get("/admin/config").status_code == 403
 
 
+def test_a_sign_in_ends_after_its_hours_and_when_the_password_changes(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    users = tmp_path / "users.txt"
+    add_user(users, "ann")
+    add_user(users, "bob")
+    apps: list = []
+    with running_server(
+        nf4_model, tmp_path, apps=apps, auth_file=users, admin_password=None, sign_in_hours=2
+    ) as (url, _, _):
+        sign_ins = apps[0].state.doors.sign_ins
+        with signed_in(url, "ann") as ann, signed_in(url, "bob") as bob:
+            assert ann.get("/gradio_api/info").status_code == 200
+            assert bob.get("/gradio_api/info").status_code == 200
+            # bob's password changes (it leaked): his sign-in ends at once, ann's does not
+            add_user(users, "bob", password="a-new-s3cret")
+            assert bob.get("/gradio_api/info").status_code == 401
+            assert ann.get("/gradio_api/info").status_code == 200
+            # two hours and a second later ann's ends too, and its token is dropped
+            sign_ins.clock = lambda: time.monotonic() + 2 * 3600 + 1
+            assert ann.get("/gradio_api/info").status_code == 401
+            assert len(sign_ins) == 0
+            sign_ins.clock = time.monotonic
+        with signed_in(url, "ann") as ann:  # signing in again works
+            assert ann.get("/gradio_api/info").status_code == 200
+        with httpx.Client(base_url=url, timeout=60) as http:
+            old = http.post("/login", data={"username": "bob", "password": PASSWORD})
+            assert old.status_code == 400
+        with signed_in(url, "bob", "a-new-s3cret") as bob:
+            assert bob.get("/gradio_api/info").status_code == 200
+    with pytest.raises(InvalidRequest, match="sign-in-hours"):
+        AppConfig(sign_in_hours=0)
+
+
 def test_the_chat_page_section_issues_lists_and_revokes_keys(signin: tuple) -> None:
     url, _, _ = signin
     client = Client(url, auth=("bob", PASSWORD), verbose=False)
@@ -214,8 +251,16 @@ def test_sign_in_is_throttled_per_name_and_address_before_pbkdf2_runs(
         assert httpx.get(url + "/health").status_code == 200
 
 
-def test_admin_password_login_is_throttled_too(nf4_model: LoadedModel, tmp_path: Path) -> None:
-    with running_server(nf4_model, tmp_path, login_failures_per_name=2) as (url, _, _):
+def test_admin_password_login_ends_and_is_throttled_too(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    apps: list = []
+    with running_server(nf4_model, tmp_path, apps=apps, login_failures_per_name=2) as (url, _, _):
+        with signed_in(url + "/admin", "admin", ADMIN_PASSWORD) as admin:
+            assert admin.get("/config").status_code == 200
+            admin_app = next(r.app for r in apps[0].routes if getattr(r, "path", "") == "/admin")
+            admin_app.tokens.clock = lambda: time.monotonic() + 24 * 3600 + 1
+            assert admin.get("/config").status_code == 401  # a day later: sign in again
         with httpx.Client(base_url=url, timeout=60) as http:
             codes = [
                 http.post("/admin/login", data={"username": "admin", "password": "no"}).status_code

@@ -66,8 +66,12 @@ def load_users(path: Path) -> dict[str, User]:
     """`name:hash[:role]` lines (blank lines and # comments ignored); UTF-8."""
     if not path.is_file():
         raise InvalidRequest(f"users file not found: {path}")
+    return parse_users(path.read_bytes(), path)
+
+
+def parse_users(data: bytes, path: Path) -> dict[str, User]:
     users = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in data.decode("utf-8").splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             name, _, rest = line.partition(":")
@@ -80,24 +84,30 @@ def load_users(path: Path) -> dict[str, User]:
 
 
 class UsersFile:
-    """The users file, read again whenever it changes on disk (so a removed user or a new
-    role counts at once, without a restart)."""
+    """The users file, read again on every lookup and parsed again whenever its bytes change
+    (so a removed user, a new role or a new password counts at once, without a restart; its
+    bytes, not its mtime: two writes within one timestamp tick must not look the same)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._stamp: tuple[int, int] | None = None
+        self._data: bytes | None = None
         self._users: dict[str, User] = {}
         self.get("")  # fail at start, not at the first login
 
     def get(self, name: str) -> User | None:
         try:
-            st = os.stat(self.path)
+            data = self.path.read_bytes()
         except OSError as e:
             raise InvalidRequest(f"users file not found: {self.path}") from e
-        stamp = (st.st_mtime_ns, st.st_size)
-        if stamp != self._stamp:
-            self._users, self._stamp = load_users(self.path), stamp
+        if data != self._data:
+            self._users, self._data = parse_users(data, self.path), data
         return self._users.get(name)
+
+    def password_of(self, name: str) -> str | None:
+        """`name`'s stored password hash (None: no such user): a sign-in made with another
+        one has ended (doors/sign_ins.py)."""
+        user = self.get(name)
+        return user.hash if user is not None else None
 
 
 def users_checker(users: UsersFile | Path) -> Callable[[str, str], bool]:
@@ -131,7 +141,11 @@ def add_user(path: Path, name: str, password: str, role: str) -> None:
     users = load_users(path) if path.is_file() else {}
     users[name] = User(name, hash_password(password), role)
     lines = [f"{u.name}:{u.hash}" + (f":{u.role}" if u.admin else "") for u in users.values()]
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    # a new file renamed over the old one: a running server reads the old or the new, never
+    # a half-written one (which would sign everybody out for a moment)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    os.replace(tmp, path)
     print(f"user {name} saved in {path}" + (" (admin)" if role == "admin" else ""))
 
 
