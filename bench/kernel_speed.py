@@ -20,11 +20,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import Engine, EngineConfig, SamplingParams, cpu_quant, fused_proj, model_runner  # noqa: E402
+# the engine first: it sets OpenMP's passive waits before torch loads libgomp (engine/threads.py),
+# so this measures the same threads the server runs, not spinning ones
+from engine import Engine, EngineConfig, SamplingParams, cpu_quant, fused_proj, model_runner  # noqa: E402, I001
+
+import torch  # noqa: E402
 from engine.loader import dtype_name, load_model  # noqa: E402
 from engine.scheduler import StepPlan  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
