@@ -188,17 +188,6 @@ def main(argv: list[str] | None = None) -> None:
         engine = open_backend(engine_config)
     except CrowdchatError as e:
         sys.exit(f"crowdchat: {e}")
-    s = engine.stats()
-    log.info(
-        "%s: model %.1f MB; KV pool %.1f MB = %d blocks x %d tokens (%d tokens, %d bytes/token)",
-        engine.device_type,
-        s.model_bytes / 2**20,
-        s.kv_bytes / 2**20,
-        s.blocks_total,
-        s.block_size,
-        s.blocks_total * s.block_size,
-        s.kv_bytes_per_token,
-    )
     sessions = SessionManager(engine, session_config, engine_config.data_dir)
     try:
         app, monitor = build_app(engine, sessions, app_config, engine_config.data_dir)

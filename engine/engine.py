@@ -88,8 +88,9 @@ class Engine(ConfigFacts):
         self._queue_positions: dict[int, int] = {}
         self._running_ids: frozenset[int] = frozenset()
         log.info(
-            "KV pool: %d blocks x %d tokens = %d tokens, %.1f MB (%s, %d bytes/token); "
+            "%s: KV pool: %d blocks x %d tokens = %d tokens, %.1f MB (%s, %d bytes/token); "
             "model %.1f MB",
+            self.device_type,
             num_blocks,
             config.block_size,
             num_blocks * config.block_size,
