@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from api.errors import ApiError
 from engine import InvalidRequest, SamplingParams
+from engine.sequence import PENALTIES
 
 DEFAULT_MAX_TOKENS = 256
 GREEDY_BELOW = 1e-5  # smaller temperatures overflow the logits; treat them as greedy
@@ -112,13 +113,37 @@ def parse_messages(body: dict, max_messages: int | None = None) -> list[dict[str
     return out
 
 
+def refuse_unsupported(body: dict) -> None:
+    """A clear 400 for the OpenAI features this server does not have, instead of a reply that
+    silently ignored them (prose where the client asked for JSON or a tool call). Their
+    no-op values (empty lists, `"text"`, `"none"`) pass: some clients always send them."""
+    for name in ("tools", "functions", "logit_bias"):
+        if body.get(name):
+            what = "logit_bias" if name == "logit_bias" else "tools (function calling)"
+            raise ApiError(f"{what} are not supported by this server", param=name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none", "auto"):
+            raise ApiError("tools (function calling) are not supported", param=name)
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise ApiError(
+            f"response_format {kind!r} is not supported (only plain text)"[:200],
+            param="response_format",
+        )
+    if body.get("top_logprobs") is not None:
+        raise ApiError("logprobs are not supported", param="top_logprobs")
+
+
 def parse_params(body: dict, max_model_len: int) -> SamplingParams:
-    """SamplingParams from the OpenAI fields plus vLLM's ignore_eos / min_tokens / top_k."""
+    """SamplingParams from the OpenAI fields (penalties included) plus vLLM's ignore_eos /
+    min_tokens / top_k / repetition_penalty."""
     n = typed_field(body, "n", "integer")
     if n not in (None, 1):
         raise ApiError("only n=1 is supported", param="n")
     if typed_field(body, "logprobs", "bool"):
         raise ApiError("logprobs are not supported", param="logprobs")
+    refuse_unsupported(body)
     name = (
         "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     )
@@ -153,6 +178,11 @@ def parse_params(body: dict, max_model_len: int) -> SamplingParams:
             stop=stop,
             seed=seed,
             ignore_eos=bool(typed_field(body, "ignore_eos", "bool")),
+            **{
+                name: v
+                for name in PENALTIES
+                if (v := typed_field(body, name, "number")) is not None
+            },
         )
     except InvalidRequest as e:
         message = str(e)

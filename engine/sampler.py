@@ -1,4 +1,5 @@
-"""Turns each sequence's last logits into its next token: greedy, or temperature/top-k/top-p.
+"""Turns each sequence's last logits into its next token: greedy, or temperature/top-k/top-p,
+after the repetition / frequency / presence penalties of the rows that ask for them.
 
 Sampling is exact (the same distribution as sorting the whole vocabulary) but cheap on CPU:
 one uniform number per row and an inverse-CDF lookup instead of `torch.multinomial`
@@ -57,6 +58,22 @@ def sample_row(row: torch.Tensor, seq: Sequence) -> int:
     return int(idx[_pick(probs, g)])
 
 
+def penalize(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """`row` (`[V]` logits) with the sequence's penalties applied, as vLLM applies them:
+    repetition over the prompt and the output, then frequency and presence over the output."""
+    p = seq.params
+    row = row.clone()
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    out = seq.generated_ids
+    if out and (p.frequency_penalty or p.presence_penalty):
+        ids, counts = torch.tensor(out, device=row.device).unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    return row
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int]) -> list[int]:
     """Next token per row of `logits` ([N, V]), one row per sequence, in order."""
     logits = logits.float()
@@ -68,6 +85,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int]) -> l
         rows = torch.tensor(early, device=dev)[:, None]
         cols = torch.tensor(stop_ids, device=dev)[None, :]
         logits = logits.index_put((rows, cols), torch.full((), float("-inf"), device=dev))
+    penalized = [i for i, s in enumerate(seqs) if s.params.penalized]
+    if penalized:  # out of place, as above
+        rows = torch.stack([penalize(logits[i], seqs[i]) for i in penalized])
+        logits = logits.index_put((torch.tensor(penalized, device=logits.device),), rows)
     out = logits.argmax(dim=-1).tolist()
     sampled = [i for i, s in enumerate(seqs) if s.params.temperature >= GREEDY_BELOW]
     if sampled:

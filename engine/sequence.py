@@ -15,6 +15,9 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_LEN = 256
 
 
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop. Temperature 0 is greedy."""
@@ -27,13 +30,26 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    # as vLLM applies them, before temperature: the logit of each token generated so far
+    # minus `frequency_penalty` x its count and `presence_penalty` once; the logit of each
+    # token in the prompt or the output divided by `repetition_penalty` if positive, else
+    # multiplied by it (first)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1
+        )
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise InvalidRequest(msg)
 
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", *PENALTIES):
             v = getattr(self, name)
             need(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
@@ -45,6 +61,11 @@ class SamplingParams:
         need(0 <= self.temperature <= 2, f"temperature must be in [0, 2], got {self.temperature}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         need(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            need(-2 <= v <= 2, f"{name} must be in [-2, 2], got {v}")
+        r = self.repetition_penalty
+        need(0 < r <= 2, f"repetition_penalty must be in (0, 2], got {r}")
         need(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         need(
             0 <= self.min_new_tokens <= self.max_new_tokens,

@@ -89,6 +89,9 @@ def completion_body(
         "seed": p.seed,
         "stop": list(p.stop) or None,
         "ignore_eos": p.ignore_eos or None,
+        "presence_penalty": p.presence_penalty or None,
+        "frequency_penalty": p.frequency_penalty or None,
+        "repetition_penalty": p.repetition_penalty if p.repetition_penalty != 1 else None,
         "stream_interval": stream_interval if stream_interval > 1 else None,
     }
     body.update({k: v for k, v in extra.items() if v is not None})

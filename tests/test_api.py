@@ -82,6 +82,15 @@ def test_params_are_clamped_and_translated() -> None:
     assert p == SamplingParams(temperature=0.0, max_new_tokens=512, stop=("\n",))
     assert parse_params({}, 4096).max_new_tokens == 256
     assert parse_params({"max_completion_tokens": 7}, 4096).max_new_tokens == 7
+    # what some clients always send, as no-ops, passes
+    noop = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
+    noop |= {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0}
+    assert parse_params(noop, 4096) == SamplingParams()
+    p = parse_params(
+        {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.3}, 64
+    )
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1, 1.3)
+    assert p.penalized and not SamplingParams().penalized
 
 
 def test_openai_client_gets_replies_with_usage_and_streams(live: LiveServer) -> None:
@@ -193,6 +202,14 @@ def test_a_session_continues_across_requests_and_is_private(live: LiveServer) ->
         ({"messages": HI, "max_tokens": 0}, "max_tokens"),
         ({"messages": HI, "n": 2}, "n"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": HI, "presence_penalty": 2.5}, "presence_penalty"),
+        ({"messages": HI, "frequency_penalty": "high"}, "frequency_penalty"),
+        ({"messages": HI, "repetition_penalty": 0}, "repetition_penalty"),
+        ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"messages": HI, "tool_choice": "required"}, "tool_choice"),
+        ({"messages": HI, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": HI, "logit_bias": {"42": 100}}, "logit_bias"),
+        ({"messages": HI, "top_logprobs": 2}, "top_logprobs"),
     ],
 )
 def test_bad_requests_get_openai_style_400s(

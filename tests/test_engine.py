@@ -93,6 +93,24 @@ def test_seed_makes_sampling_reproducible(nf4_engine: Engine, formatter: ChatFor
     assert c.token_ids != a.token_ids
 
 
+def test_a_frequency_penalty_curbs_a_repeating_reply_beside_an_unpenalized_twin(
+    nf4_engine: Engine, formatter: ChatFormatter
+) -> None:
+    p = ask(formatter, "Say 'ha' 30 times.")  # greedy, the model loops ("I'm sorry for you.")
+    plain = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    penal = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True, frequency_penalty=1.5)
+    # the same prompt, penalized and not, in one batch (the sampler's tests check that a
+    # penalized row leaves its batch mates' logits alone)
+    a, b = nf4_engine.submit(p, plain), nf4_engine.submit(p, penal)
+    a.result(), b.result()
+
+    def most_repeated(ids: list[int]) -> int:
+        return max(ids.count(t) for t in set(ids))
+
+    assert most_repeated(b.token_ids) < most_repeated(a.token_ids)
+    assert len(set(b.token_ids)) > len(set(a.token_ids))
+
+
 def test_max_new_tokens_and_ignore_eos(nf4_engine: Engine, formatter: ChatFormatter) -> None:
     h = nf4_engine.submit(
         ask(formatter, "Say hi."), SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)

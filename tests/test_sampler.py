@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import CANDIDATES, sample, sample_row
+from engine.sampler import CANDIDATES, penalize, sample, sample_row
 from engine.sequence import SamplingParams, Sequence
 
 
@@ -67,3 +67,56 @@ def test_min_tokens_masks_stop_ids_on_float32_inference_logits() -> None:
         Sequence([1], SamplingParams(temperature=0)),
     ]
     assert sample(logits, seqs, stop_ids=[3]) == [0, 3]
+
+
+def penalized_reference(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """vLLM's `apply_penalties`, written out token by token."""
+    p, row = seq.params, logits.clone()
+    out = seq.generated_ids
+    for t in set(seq.token_ids):
+        if p.repetition_penalty != 1:
+            v = row[t]
+            row[t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+    for t in set(out):
+        row[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
+    return row
+
+
+def test_penalties_match_vllms_formula_and_leave_other_rows_alone() -> None:
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        v = 64
+        with torch.inference_mode():  # the model's logits are inference tensors
+            logits = torch.randn(4, v, generator=rng) * 3
+        seqs = []
+        for i in range(4):
+            ids = torch.randint(0, v, (12,), generator=rng).tolist()
+            params = SamplingParams(
+                temperature=0,
+                presence_penalty=round(float(torch.rand(1, generator=rng)) * 4 - 2, 2),
+                frequency_penalty=round(float(torch.rand(1, generator=rng)) * 4 - 2, 2),
+                repetition_penalty=round(float(torch.rand(1, generator=rng)) * 1.9 + 0.1, 2),
+            )
+            seq = Sequence(ids[:5], params if i % 2 else SamplingParams(temperature=0))
+            seq.token_ids += ids[5:]  # 7 generated tokens
+            seqs.append(seq)
+        want = [
+            int(penalized_reference(logits[i], s).argmax())
+            if s.params.penalized
+            else int(logits[i].argmax())
+            for i, s in enumerate(seqs)
+        ]
+        assert sample(logits, seqs, stop_ids=[]) == want, trial
+        for i in (1, 3):
+            got = penalize(logits[i], seqs[i])
+            assert torch.allclose(got, penalized_reference(logits[i], seqs[i])), trial
+
+
+def test_a_frequency_penalty_moves_the_pick_off_a_repeated_token() -> None:
+    logits = torch.zeros(8)
+    logits[5], logits[6] = 3.0, 2.5
+    seq = Sequence([1, 2], SamplingParams(temperature=0, frequency_penalty=0.2))
+    seq.token_ids += [5, 5, 5]  # generated three times: 3.0 - 0.6 < 2.5
+    assert sample(logits[None], [seq], stop_ids=[]) == [6]
+    seq = Sequence([5], SamplingParams(temperature=0, repetition_penalty=1.5))  # in the prompt
+    assert sample(logits[None], [seq], stop_ids=[]) == [6]  # 3.0 / 1.5 < 2.5

@@ -194,6 +194,14 @@ def test_the_request_body_maps_sampling_and_keeps_the_reply_inside_the_context()
     full = completion_body("m", [1], p, 4096)
     assert (full["top_k"], full["min_tokens"], full["seed"]) == (5, 2, 0)
     assert (full["stop"], full["ignore_eos"], full["max_tokens"]) == (["x"], True, 256)
+    assert not {"presence_penalty", "frequency_penalty", "repetition_penalty"} & set(full)
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=1, repetition_penalty=1.2)
+    pen = completion_body("m", [1], p, 4096)
+    assert (pen["presence_penalty"], pen["frequency_penalty"], pen["repetition_penalty"]) == (
+        0.5,
+        1,
+        1.2,
+    )
 
 
 def test_sse_payloads_are_cut_at_whole_lines_even_inside_a_character() -> None:
