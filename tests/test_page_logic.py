@@ -110,7 +110,7 @@ def test_a_conversation_keeps_its_system_prompt_across_reload_switch_and_new_cha
         screen = Screen()
 
         def send(message: str, sid: str | None, system: str) -> str:
-            *_, last = page.on_send(message, sid, False, system, 0.0, 1.0, 8, screen, me)
+            *_, last = page.on_send(message, sid, False, system, 0.0, 1.0, 8, 1.0, screen, me)
             return last[3]
 
         pirate = send("Hello there.", None, "You are a pirate.")
@@ -149,6 +149,7 @@ def test_a_reply_paints_only_while_its_conversation_is_on_screen(
             0.0,
             1.0,
             200,
+            1.0,
             screen,
             me,
         )

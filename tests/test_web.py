@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 from gradio_client import Client
+from gradio_client.exceptions import AppError
 
 from engine.loader import LoadedModel
 from tests.web import ADMIN_PASSWORD, running_server
@@ -82,6 +83,11 @@ def test_bad_input_shows_a_message_and_keeps_the_text(server: tuple) -> None:
     big = "x" * 40_000
     out = client.predict(big, "", 0.7, 0.9, 64, api_name="/on_send")
     assert "limit" in out[1]
+    # past a slider's range (an API caller can send anything): Gradio refuses it by name
+    with pytest.raises(AppError, match="greater than maximum value 2"):
+        client.predict("Hi", "", 0.7, 0.9, 64, 5.0, api_name="/on_send")
+    out = client.predict("Hi", "", 0.0, 1.0, 16, 1.3, api_name="/on_send")  # in range: a reply
+    assert out[0][-1]["role"] == "assistant" and out[0][-1]["content"] and out[1] == ""
 
 
 def test_admin_needs_the_password(server: tuple) -> None:

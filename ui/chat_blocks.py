@@ -72,6 +72,15 @@ def build_chat_blocks(
                     max_tokens = gr.Slider(
                         16, 2048, value=512, step=16, label="Max new tokens", elem_id="max-tokens"
                     )
+                    repetition = gr.Slider(
+                        1,
+                        2,
+                        value=1,
+                        step=0.05,
+                        label="Repetition penalty",
+                        info="Above 1 curbs replies that loop (1: off).",
+                        elem_id="repetition",
+                    )
                 if keys is not None:
                     build_keys_section(keys, demo)
 
@@ -84,7 +93,8 @@ def build_chat_blocks(
             branches of what is now on screen."""
             event.then(bar.render, [sid, screen], bar_outputs, concurrency_limit=None)  # type: ignore[attr-defined]
 
-        send_inputs = [box, sid, editing, system, temperature, top_p, max_tokens, screen]
+        sampling = [temperature, top_p, max_tokens, repetition]
+        send_inputs = [box, sid, editing, system, *sampling, screen]
         # "multiple": a reply still running in a conversation the user left must not block
         # Send in the one they opened (a second Send in a busy one is refused by the session)
         for trigger in (box.submit, send_btn.click):
@@ -100,7 +110,7 @@ def build_chat_blocks(
             then_bar(sent)
         regenerated = regen_btn.click(
             page.on_regenerate,
-            [sid, temperature, top_p, max_tokens, screen],
+            [sid, *sampling, screen],
             turn_outputs,
             concurrency_limit=concurrency,
             concurrency_id="turns",

@@ -155,9 +155,14 @@ class ChatPage:
         return msgs[-1]["content"], True, "Editing your last message: change it and press Send."
 
     # -- turns --------------------------------------------------------------------------
-    def params(self, temperature: float, top_p: float, max_tokens: float) -> SamplingParams:
+    def params(
+        self, temperature: float, top_p: float, max_tokens: float, repetition: float = 1.0
+    ) -> SamplingParams:
         return SamplingParams(
-            temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_tokens)
+            temperature=float(temperature),
+            top_p=float(top_p),
+            max_new_tokens=int(max_tokens),
+            repetition_penalty=float(repetition),
         )
 
     def on_send(
@@ -169,13 +174,14 @@ class ChatPage:
         temperature: float,
         top_p: float,
         max_tokens: float,
+        repetition: float,
         screen: Screen,
         request: gr.Request,
     ) -> Iterator[tuple]:
         """Outputs: chatbot, status, textbox, sid, conversation list, editing."""
         owner = self.owner(request)
         try:
-            params = self.params(temperature, top_p, max_tokens)
+            params = self.params(temperature, top_p, max_tokens, repetition)
             if not sid:
                 if not (message or "").strip():
                     raise CrowdchatError("Please type a message first.")
@@ -203,6 +209,7 @@ class ChatPage:
         temperature: float,
         top_p: float,
         max_tokens: float,
+        repetition: float,
         screen: Screen,
         request: gr.Request,
     ) -> Iterator[tuple]:
@@ -212,7 +219,8 @@ class ChatPage:
             return
         try:
             shown = to_chatbot(self.sm.messages(owner, sid))
-            turn = self.sm.regenerate(owner, sid, self.params(temperature, top_p, max_tokens))
+            params = self.params(temperature, top_p, max_tokens, repetition)
+            turn = self.sm.regenerate(owner, sid, params)
             if shown and shown[-1]["role"] == "assistant":
                 shown.pop()  # the new reply streams in its place; the old one stays a branch
         except CrowdchatError as e:
