@@ -116,19 +116,21 @@ def _decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence against its padded context.  # [B, H, D]
 
-    Two small batched matmuls, query heads grouped by their KV head: on CPU this is several
-    times faster than SDPA's flash kernel for one-token queries, and never expands K/V.
+    One SDPA call, query heads grouped by their KV head (`enable_gqa`: K/V never expanded).
+    On the 2-core AVX2 EPYC it took 39-48 us against 123-153 us for the two batched matmuls
+    with a softmax between them that it replaced (1 row, context 208, float32), 160 against
+    243 at context 1008, 249 against 312 at 8 rows and about the same at 32 rows.
     """
-    h, b, d = query.shape
-    hkv = k.shape[0]
-    q = query.reshape(hkv, h // hkv, b, d).transpose(1, 2)  # [H_kv, B, G, D]
-    scores = torch.matmul(q, k.transpose(-1, -2))  # [H_kv, B, G, Lmax]
-    scores = scores.float().mul_(scaling or d**-0.5)
-    if pad is not None:
-        scores.masked_fill_(pad[None, :, None, :], float("-inf"))
-    probs = scores.softmax(-1).to(v.dtype)
-    out = torch.matmul(probs, v)  # [H_kv, B, G, D]
-    return out.permute(1, 0, 2, 3).reshape(b, h, d)
+    mask = None if pad is None else ~pad[:, None, None, :]  # [B, 1, 1, Lmax], True: attend
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(2),  # [B, H, 1, D]
+        k.transpose(0, 1),  # [B, H_kv, Lmax, D]
+        v.transpose(0, 1),
+        attn_mask=mask,
+        scale=scaling,
+        enable_gqa=True,
+    )
+    return out[:, :, 0]
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:

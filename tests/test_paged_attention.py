@@ -81,10 +81,12 @@ def prefill_then_decode(engine, seqs: list[Sequence]) -> torch.Tensor:
 def test_fp32_grouped_decode_logits_equal_the_padded_path_and_solo_runs(
     fp32_model: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
 ) -> None:
-    """Random context lengths, one of them very long: the grouped step's logits are identical
-    to one group padded to the longest (the old path). Against each sequence decoded alone
-    they agree in argmax and to rounding only: a batch of one runs the linears through other
-    BLAS kernels (measured here: ~1e-4 on logits of ~15, with or without the grouping)."""
+    """Random context lengths, one of them very long: the grouped step's logits agree with
+    one group padded to the longest (the old path) and with each sequence decoded alone, in
+    argmax and to rounding: a batch of one runs the linears through other BLAS kernels, and
+    SDPA's kernel blocks the context, so padding moves its rounding (measured on the 2-core
+    AVX2 EPYC: 1.3e-5 and 2.8e-5 of the logits' std; bitwise equal to the padded path while
+    decode attention was two matmuls)."""
     rng = random.Random(seed)
     lens = [rng.randint(3, 300) for _ in range(9)] + [rng.randint(1500, 2000)]
     rng.shuffle(lens)
@@ -100,7 +102,7 @@ def test_fp32_grouped_decode_logits_equal_the_padded_path_and_solo_runs(
     solo = torch.cat([prefill_then_decode(engine, [s]) for s in mk()])
     monkeypatch.setattr(model_runner, "decode_groups", lambda ls, bs: [(0, len(ls))] if ls else [])
     padded = prefill_then_decode(engine, mk())
-    assert torch.equal(grouped, padded)
-    assert torch.equal(grouped.argmax(-1), solo.argmax(-1))
-    assert ((grouped - solo).abs() / solo.std(dim=-1, keepdim=True)).max() < 1e-3
+    for other in (padded, solo):
+        assert torch.equal(grouped.argmax(-1), other.argmax(-1))
+        assert ((grouped - other).abs() / other.std(dim=-1, keepdim=True)).max() < 1e-4
     engine.check_integrity()
