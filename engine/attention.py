@@ -36,6 +36,9 @@ class DecodeGroup:
     end: int
     blocks: torch.Tensor  # [b, nblk] each decode's block table, padded to the group's longest
     pad: torch.Tensor | None  # [b, nblk * block_size] bool, True = not its context; None: none
+    # a group of one sequence whose blocks are `run, run + 1, ...`: its context is a view of
+    # the pool, no gather (`index_select` copies a long context's K/V every layer)
+    run: int | None = None
 
 
 @dataclass
@@ -73,11 +76,15 @@ def paged_attention(
     hkv, bs = kc.shape[0], meta.block_size
     for g in meta.decode_groups:
         b, nblk = g.blocks.shape
-        # gather whole blocks with index_select: long row copies, ~5x faster on CPU than
-        # advanced indexing
-        blocks = g.blocks.flatten()
-        k = kc.view(hkv, -1, bs, d).index_select(1, blocks).view(hkv, b, nblk * bs, d)
-        v = vc.view(hkv, -1, bs, d).index_select(1, blocks).view(hkv, b, nblk * bs, d)
+        if g.run is not None:
+            k = kc.view(hkv, -1, bs, d)[:, g.run : g.run + nblk].view(hkv, 1, nblk * bs, d)
+            v = vc.view(hkv, -1, bs, d)[:, g.run : g.run + nblk].view(hkv, 1, nblk * bs, d)
+        else:
+            # gather whole blocks with index_select: long row copies, ~5x faster on CPU than
+            # advanced indexing
+            blocks = g.blocks.flatten()
+            k = kc.view(hkv, -1, bs, d).index_select(1, blocks).view(hkv, b, nblk * bs, d)
+            v = vc.view(hkv, -1, bs, d).index_select(1, blocks).view(hkv, b, nblk * bs, d)
         # a bf16 pool beside float32 compute: matmuls in float32 (bf16 ones are ~10x slower
         # without native bf16), after a gather of half the bytes
         k, v = k.to(query.dtype), v.to(query.dtype)

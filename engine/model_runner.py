@@ -54,6 +54,14 @@ def decode_groups(lens: list[int], block_size: int) -> list[tuple[int, int]]:
     return groups
 
 
+def _run(blocks: list[int], rows: int) -> int | None:
+    """The first block if one sequence's `blocks` are consecutive (its context is then a view
+    of the pool), else None."""
+    if rows != 1 or blocks[-1] - blocks[0] != len(blocks) - 1:
+        return None
+    return blocks[0] if blocks == list(range(blocks[0], blocks[0] + len(blocks))) else None
+
+
 class ModelRunner:
     """Builds a step's inputs from the plan, runs the model once, samples next tokens."""
 
@@ -99,7 +107,7 @@ class ModelRunner:
             pad = None
             if lens[0] != nblk * bs:
                 pad = (torch.arange(nblk * bs)[None, :] >= torch.tensor(lens)[:, None]).to(dev)
-            groups.append(DecodeGroup(lo, hi, table.to(dev), pad))
+            groups.append(DecodeGroup(lo, hi, table.to(dev), pad, _run(blocks, hi - lo)))
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         prefills = []
         for seq, n in plan.prefills:

@@ -1,5 +1,6 @@
 """Decode attention is grouped by context length: one long conversation costs its own context,
-and the grouping changes no logit (float32, bit for bit)."""
+and the grouping changes logits by rounding only; a lone sequence whose blocks lie in one run
+of the pool attends over a view of it, bit for bit what the gather gives."""
 
 from __future__ import annotations
 
@@ -106,3 +107,31 @@ def test_fp32_grouped_decode_logits_equal_the_padded_path_and_solo_runs(
         assert torch.equal(grouped.argmax(-1), other.argmax(-1))
         assert ((grouped - other).abs() / other.std(dim=-1, keepdim=True)).max() < 1e-4
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("model", ["fp32_model", "nf4_model"])
+def test_a_lone_sequence_in_consecutive_blocks_reads_a_view_with_the_same_logits(
+    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """float32 pool (the view is read as it is) and the bf16 pool beside float32 compute (the
+    view is widened): the same logits as gathering the same blocks."""
+    loaded = request.getfixturevalue(model)
+    engine = make_engine(loaded, tmp_path, kv_budget_mb=256)
+    engine.shutdown()  # drive the runner directly on this thread
+    rng = random.Random(3)
+    toks = [rng.randrange(100, 40000) for _ in range(700)]
+    runs = []
+    real_run = model_runner._run
+    monkeypatch.setattr(model_runner, "_run", lambda b, r: runs.append(real_run(b, r)) or runs[-1])
+    viewed = prefill_then_decode(engine, [Sequence(list(toks), GREEDY)])
+    assert runs and runs[-1] is not None  # a fresh pool hands out consecutive blocks
+    monkeypatch.setattr(model_runner, "_run", lambda b, r: None)
+    gathered = prefill_then_decode(engine, [Sequence(list(toks), GREEDY)])
+    assert torch.equal(viewed, gathered)
+    engine.check_integrity()
+
+
+def test_only_one_sequence_in_ascending_consecutive_blocks_is_a_run() -> None:
+    assert model_runner._run([4, 5, 6], 1) == 4 and model_runner._run([9], 1) == 9
+    for blocks, rows in (([4, 6, 7], 1), ([5, 4, 6], 1), ([4, 5], 2), ([6, 5, 4], 1)):
+        assert model_runner._run(blocks, rows) is None
