@@ -54,12 +54,24 @@ def decode_groups(lens: list[int], block_size: int) -> list[tuple[int, int]]:
     return groups
 
 
-def _run(blocks: list[int], rows: int) -> int | None:
-    """The first block if one sequence's `blocks` are consecutive (its context is then a view
-    of the pool), else None."""
-    if rows != 1 or blocks[-1] - blocks[0] != len(blocks) - 1:
+MAX_RUNS = 8  # a lone decode's context in more runs of consecutive blocks is gathered
+
+
+def _runs(blocks: list[int], rows: int) -> list[tuple[int, int]] | None:
+    """One sequence's `blocks` as runs of consecutive blocks, (first, count), if there are at
+    most MAX_RUNS of them (its context is then read run by run), else None."""
+    if rows != 1:
         return None
-    return blocks[0] if blocks == list(range(blocks[0], blocks[0] + len(blocks))) else None
+    runs = [(blocks[0], 1)]
+    for b in blocks[1:]:
+        first, n = runs[-1]
+        if b == first + n:
+            runs[-1] = (first, n + 1)
+        elif len(runs) == MAX_RUNS:
+            return None
+        else:
+            runs.append((b, 1))
+    return runs
 
 
 class ModelRunner:
@@ -107,7 +119,7 @@ class ModelRunner:
             pad = None
             if lens[0] != nblk * bs:
                 pad = (torch.arange(nblk * bs)[None, :] >= torch.tensor(lens)[:, None]).to(dev)
-            groups.append(DecodeGroup(lo, hi, table.to(dev), pad, _run(blocks, hi - lo)))
+            groups.append(DecodeGroup(lo, hi, table.to(dev), pad, _runs(blocks, hi - lo)))
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         prefills = []
         for seq, n in plan.prefills:

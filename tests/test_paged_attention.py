@@ -1,6 +1,6 @@
 """Decode attention is grouped by context length: one long conversation costs its own context,
-and the grouping changes logits by rounding only; a lone sequence whose blocks lie in one run
-of the pool attends over a view of it, bit for bit what the gather gives."""
+and the grouping changes logits by rounding only; a lone sequence whose blocks lie in a few
+runs of the pool is read run by run, bit for bit what the gather gives."""
 
 from __future__ import annotations
 
@@ -110,28 +110,39 @@ def test_fp32_grouped_decode_logits_equal_the_padded_path_and_solo_runs(
 
 
 @pytest.mark.parametrize("model", ["fp32_model", "nf4_model"])
-def test_a_lone_sequence_in_consecutive_blocks_reads_a_view_with_the_same_logits(
+def test_a_lone_sequence_in_runs_of_blocks_is_read_run_by_run_with_the_same_logits(
     model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    """float32 pool (the view is read as it is) and the bf16 pool beside float32 compute (the
-    view is widened): the same logits as gathering the same blocks."""
+    """float32 pool (one run is read as it is) and the bf16 pool beside float32 compute (each
+    run widened as it is copied), in one run and in three: the same logits as the gather."""
     loaded = request.getfixturevalue(model)
     engine = make_engine(loaded, tmp_path, kv_budget_mb=256)
     engine.shutdown()  # drive the runner directly on this thread
     rng = random.Random(3)
     toks = [rng.randrange(100, 40000) for _ in range(700)]
-    runs = []
-    real_run = model_runner._run
-    monkeypatch.setattr(model_runner, "_run", lambda b, r: runs.append(real_run(b, r)) or runs[-1])
-    viewed = prefill_then_decode(engine, [Sequence(list(toks), GREEDY)])
-    assert runs and runs[-1] is not None  # a fresh pool hands out consecutive blocks
-    monkeypatch.setattr(model_runner, "_run", lambda b, r: None)
+    seen: list = []
+    real = model_runner._runs
+    monkeypatch.setattr(model_runner, "_runs", lambda b, r: seen.append(real(b, r)) or seen[-1])
+    one_run = prefill_then_decode(engine, [Sequence(list(toks), GREEDY)])
+    assert seen[-1] is not None and len(seen[-1]) == 1  # a fresh pool hands out one run
+    # three runs: hold every block, then free three runs of them, in the order to hand out
+    held = engine.pool.allocate(engine.pool.num_free)
+    given = held[0:20] + held[30:45] + held[60:80]
+    for b in given:
+        engine.pool.free([b])
+    three_runs = prefill_then_decode(engine, [Sequence(list(toks), GREEDY)])
+    assert seen[-1] == [(held[0], 20), (held[30], 15), (held[60], 9)]
+    engine.pool.free([b for b in held if b not in set(given)])
+    monkeypatch.setattr(model_runner, "_runs", lambda b, r: None)
     gathered = prefill_then_decode(engine, [Sequence(list(toks), GREEDY)])
-    assert torch.equal(viewed, gathered)
+    assert torch.equal(one_run, gathered) and torch.equal(three_runs, gathered)
     engine.check_integrity()
 
 
-def test_only_one_sequence_in_ascending_consecutive_blocks_is_a_run() -> None:
-    assert model_runner._run([4, 5, 6], 1) == 4 and model_runner._run([9], 1) == 9
-    for blocks, rows in (([4, 6, 7], 1), ([5, 4, 6], 1), ([4, 5], 2), ([6, 5, 4], 1)):
-        assert model_runner._run(blocks, rows) is None
+def test_runs_are_found_for_one_sequence_and_at_most_max_runs() -> None:
+    runs = model_runner._runs
+    assert runs([4, 5, 6], 1) == [(4, 3)] and runs([9], 1) == [(9, 1)]
+    assert runs([4, 5, 9, 10, 2], 1) == [(4, 2), (9, 2), (2, 1)]
+    assert runs([4, 5], 2) is None
+    assert runs(list(range(0, 2 * model_runner.MAX_RUNS, 2)), 1) is not None
+    assert runs(list(range(0, 2 * model_runner.MAX_RUNS + 2, 2)), 1) is None
