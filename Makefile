@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test lint bench peers vllm test-vllm clean
+.PHONY: run test lint kernel bench peers vllm test-vllm clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,10 +21,19 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium
 
-run: $(STAMP)
+# the CPU decode attention kernel is C++ (engine/paged_kernel.py): built once per machine
+# with a compiler and ninja, cached in ~/.cache/crowdchat/kernels (a no-op when built)
+/usr/bin/g++ /usr/bin/ninja:
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq g++ ninja-build
+
+kernel: $(STAMP) /usr/bin/g++ /usr/bin/ninja
+	$(PY) engine/paged_kernel.py
+
+run: kernel
 	$(PY) app.py $(ARGS)
 
-test: $(STAMP) $(CHROMIUM)
+test: kernel $(CHROMIUM)
 	$(PY) -m pytest -q $(ARGS)
 
 # one formatter for the whole tree: `ruff format .` fixes what --check reports

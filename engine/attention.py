@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from engine.paged_kernel import DecodeKernel
+
 IMPLEMENTATION = "crowdchat_paged"
 
 
@@ -36,9 +38,7 @@ class DecodeGroup:
     end: int
     blocks: torch.Tensor  # [b, nblk] each decode's block table, padded to the group's longest
     pad: torch.Tensor | None  # [b, nblk * block_size] bool, True = not its context; None: none
-    # a group of one sequence whose blocks form a few runs of consecutive blocks, as
-    # (first block, count): its context is read run by run, no gather (see `_from_runs`)
-    runs: list[tuple[int, int]] | None = None
+    lens: torch.Tensor | None = None  # [b] int64 context lengths, for the CPU kernel
 
 
 @dataclass
@@ -51,6 +51,9 @@ class StepMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     decode_groups: list[DecodeGroup]  # the decodes come first in the row, in these groups
     prefills: list[PrefillChunk]
+    # the CPU kernel that reads decodes' K/V from their blocks (engine.paged_kernel); None:
+    # gather them (CUDA, or where it could not be built)
+    decode_kernel: DecodeKernel | None = None
 
 
 def paged_attention(
@@ -76,18 +79,19 @@ def paged_attention(
     hkv, bs = kc.shape[0], meta.block_size
     for g in meta.decode_groups:
         b, nblk = g.blocks.shape
-        if g.runs is not None:
-            k = _from_runs(kc, g.runs, nblk, bs, query.dtype)
-            v = _from_runs(vc, g.runs, nblk, bs, query.dtype)
-        else:
-            # gather whole blocks with index_select: long row copies, ~5x faster on CPU than
-            # advanced indexing
-            blocks = g.blocks.flatten()
-            k = kc.view(hkv, -1, bs, d).index_select(1, blocks).view(hkv, b, nblk * bs, d)
-            v = vc.view(hkv, -1, bs, d).index_select(1, blocks).view(hkv, b, nblk * bs, d)
-            # a bf16 pool beside float32 compute: SDPA in float32 (bf16 is 3-5x slower
-            # without native bf16), after a gather of half the bytes
-            k, v = k.to(query.dtype), v.to(query.dtype)
+        if meta.decode_kernel is not None:
+            q = query[0, :, g.start : g.end].transpose(0, 1).float().contiguous()  # [b, H, D]
+            scale = d**-0.5 if scaling is None else scaling
+            out[g.start : g.end] = meta.decode_kernel(q, kc, vc, g.blocks, g.lens, bs, scale)
+            continue
+        # gather whole blocks with index_select: long row copies, ~5x faster on CPU than
+        # advanced indexing
+        blocks = g.blocks.flatten()
+        k = kc.view(hkv, -1, bs, d).index_select(1, blocks).view(hkv, b, nblk * bs, d)
+        v = vc.view(hkv, -1, bs, d).index_select(1, blocks).view(hkv, b, nblk * bs, d)
+        # a bf16 pool beside float32 compute: SDPA in float32 (bf16 is 3-5x slower without
+        # native bf16), after a gather of half the bytes
+        k, v = k.to(query.dtype), v.to(query.dtype)
         out[g.start : g.end] = _decode_attention(query[0, :, g.start : g.end], k, v, g.pad, scaling)
     for c in meta.prefills:
         q = query[:, :, c.start : c.end]  # [1, H, n, D]
@@ -107,30 +111,6 @@ def paged_attention(
             )
         out[c.start : c.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
-
-
-def _from_runs(
-    cache: torch.Tensor,  # [H_kv, slots, D]
-    runs: list[tuple[int, int]],
-    nblk: int,
-    block_size: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """One sequence's context `[H_kv, 1, nblk * block_size, D]` in `dtype`, from its runs of
-    consecutive blocks: a view of the pool when it is one run already in `dtype` (read as it
-    is), else one copy per run that also widens (a bf16 pool): one pass over the context's
-    bytes instead of a gather and then a widening copy."""
-    hkv, _, d = cache.shape
-    blocks = cache.view(hkv, -1, block_size, d)
-    if len(runs) == 1 and cache.dtype == dtype:
-        first, n = runs[0]
-        return blocks[:, first : first + n].view(hkv, 1, n * block_size, d)
-    out = torch.empty(hkv, nblk, block_size, d, dtype=dtype, device=cache.device)
-    at = 0
-    for first, n in runs:
-        out[:, at : at + n].copy_(blocks[:, first : first + n])
-        at += n
-    return out.view(hkv, 1, nblk * block_size, d)
 
 
 def _as_stored(x: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from engine import attention
+from engine import attention, paged_kernel
 from engine.attention import DecodeGroup, PrefillChunk, StepMetadata
 from engine.kv_cache import KVCache
 from engine.lean_llama import lean_forward
@@ -54,26 +54,6 @@ def decode_groups(lens: list[int], block_size: int) -> list[tuple[int, int]]:
     return groups
 
 
-MAX_RUNS = 8  # a lone decode's context in more runs of consecutive blocks is gathered
-
-
-def _runs(blocks: list[int], rows: int) -> list[tuple[int, int]] | None:
-    """One sequence's `blocks` as runs of consecutive blocks, (first, count), if there are at
-    most MAX_RUNS of them (its context is then read run by run), else None."""
-    if rows != 1:
-        return None
-    runs = [(blocks[0], 1)]
-    for b in blocks[1:]:
-        first, n = runs[-1]
-        if b == first + n:
-            runs[-1] = (first, n + 1)
-        elif len(runs) == MAX_RUNS:
-            return None
-        else:
-            runs.append((b, 1))
-    return runs
-
-
 class ModelRunner:
     """Builds a step's inputs from the plan, runs the model once, samples next tokens."""
 
@@ -86,6 +66,8 @@ class ModelRunner:
         fuse_norms(self.model)  # bitwise the same outputs, 1 op instead of 8 (engine.lean_norm)
         # Llama-shaped decoders run as one flat function, bitwise the same (engine.lean_llama)
         self.lean = lean_forward(self.model)
+        # decode attention straight from the pool's blocks on the CPU (engine.paged_kernel)
+        self.decode_kernel = paged_kernel.load() if self.device.type == "cpu" else None
         gen = getattr(self.model, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) or loaded.tokenizer.eos_token_id
         self.stop_ids: list[int] = sorted({eos} if isinstance(eos, int) else set(eos or []))
@@ -93,8 +75,9 @@ class ModelRunner:
     def _metadata(self, plan: StepPlan) -> tuple[StepMetadata, list[int], list[int], list[int]]:
         """Flat input ids, positions and which rows need logits, plus the attention metadata.
 
-        Decodes go first in the row, sorted by context length and cut into groups that are
-        each padded only to their own longest context; `logit_rows` keeps the plan's order.
+        Decodes go first in the row, sorted by context length: one group for the CPU kernel,
+        which reads each one's own blocks, else cut into groups that are each padded only to
+        their own longest context; `logit_rows` keeps the plan's order.
         """
         cache, dev, bs = self.cache, self.device, self.cache.block_size
         ids: list[int] = []
@@ -103,8 +86,14 @@ class ModelRunner:
         logit_rows: list[int] = [0] * len(plan.decodes)
         groups: list[DecodeGroup] = []
         order = sorted(range(len(plan.decodes)), key=lambda i: plan.decodes[i].num_computed)
-        for lo, hi in decode_groups([plan.decodes[i].num_computed + 1 for i in order], bs):
-            lens = [plan.decodes[i].num_computed + 1 for i in order[lo:hi]]
+        kernel = self.decode_kernel
+        all_lens = [plan.decodes[i].num_computed + 1 for i in order]
+        if kernel is None:
+            spans = decode_groups(all_lens, bs)
+        else:
+            spans = [(0, len(order))] if order else []
+        for lo, hi in spans:
+            lens = all_lens[lo:hi]
             nblk = -(-lens[-1] // bs)
             table = torch.zeros(hi - lo, nblk, dtype=torch.long)
             for row, i in enumerate(order[lo:hi], start=lo):
@@ -116,10 +105,13 @@ class ModelRunner:
                 pos.append(p)
                 slots.append(blocks[p // bs] * bs + p % bs)
                 logit_rows[i] = row
+            if kernel is not None:
+                groups.append(DecodeGroup(lo, hi, table, None, lens=torch.tensor(lens)))
+                continue
             pad = None
             if lens[0] != nblk * bs:
                 pad = (torch.arange(nblk * bs)[None, :] >= torch.tensor(lens)[:, None]).to(dev)
-            groups.append(DecodeGroup(lo, hi, table.to(dev), pad, _runs(blocks, hi - lo)))
+            groups.append(DecodeGroup(lo, hi, table.to(dev), pad))
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         prefills = []
         for seq, n in plan.prefills:
@@ -142,6 +134,7 @@ class ModelRunner:
             block_size=bs,
             decode_groups=groups,
             prefills=prefills,
+            decode_kernel=kernel,
         )
         return meta, ids, pos, logit_rows
 

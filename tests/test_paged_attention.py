@@ -1,6 +1,6 @@
-"""Decode attention is grouped by context length: one long conversation costs its own context,
-and the grouping changes logits by rounding only; a lone sequence whose blocks lie in a few
-runs of the pool is read run by run, bit for bit what the gather gives."""
+"""Decode attention on the CPU reads each sequence's own blocks (engine.paged_kernel); where it
+gathers instead (CUDA, no kernel) it groups decodes by context length, so one long conversation
+costs its own context. Either way the logits change by rounding only."""
 
 from __future__ import annotations
 
@@ -51,9 +51,18 @@ def test_the_runner_pads_short_decodes_only_to_their_own_group(
     for s in seqs:
         s.block_table = engine.pool.allocate(engine.pool.blocks_for(s.num_tokens + 1))
         s.num_computed = s.num_tokens - 1
+    kernel = engine.runner.decode_kernel
     try:
+        assert kernel is not None  # built by make (engine.paged_kernel)
+        meta, _, _, _ = engine.runner._metadata(StepPlan(decodes=seqs))
+        # the kernel reads each one's own blocks: one group, no padding
+        [whole] = meta.decode_groups
+        assert (whole.start, whole.end, whole.pad) == (0, 4, None)
+        assert whole.lens.tolist() == [40, 45, 50, 3000]
+        engine.runner.decode_kernel = None
         meta, ids, pos, rows = engine.runner._metadata(StepPlan(decodes=seqs))
     finally:
+        engine.runner.decode_kernel = kernel
         for s in seqs:
             engine.pool.free(s.block_table)
     assert [(g.start, g.end, g.blocks.shape[1]) for g in meta.decode_groups] == [
@@ -79,15 +88,14 @@ def prefill_then_decode(engine, seqs: list[Sequence]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("seed", [1])
-def test_fp32_grouped_decode_logits_equal_the_padded_path_and_solo_runs(
+def test_fp32_decode_logits_agree_between_the_kernel_the_gather_paths_and_solo_runs(
     fp32_model: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
 ) -> None:
-    """Random context lengths, one of them very long: the grouped step's logits agree with
-    one group padded to the longest (the old path) and with each sequence decoded alone, in
+    """Random context lengths, one of them very long: the kernel's step, the gather grouped
+    by length, one group padded to the longest, and each sequence decoded alone agree in
     argmax and to rounding: a batch of one runs the linears through other BLAS kernels, and
     SDPA's kernel blocks the context, so padding moves its rounding (measured on the 2-core
-    AVX2 EPYC: 1.3e-5 and 2.8e-5 of the logits' std; bitwise equal to the padded path while
-    decode attention was two matmuls)."""
+    AVX2 EPYC: 1.3e-5 and 2.8e-5 of the logits' std)."""
     rng = random.Random(seed)
     lens = [rng.randint(3, 300) for _ in range(9)] + [rng.randint(1500, 2000)]
     rng.shuffle(lens)
@@ -98,51 +106,15 @@ def test_fp32_grouped_decode_logits_equal_the_padded_path_and_solo_runs(
     def mk() -> list[Sequence]:
         return [Sequence(list(t), GREEDY) for t in toks]
 
+    kernel = prefill_then_decode(engine, mk())
+    assert engine.runner.decode_kernel is not None
+    engine.runner.decode_kernel = None
     grouped = prefill_then_decode(engine, mk())
     assert len(decode_groups(sorted(n + 1 for n in lens), 16)) >= 2
     solo = torch.cat([prefill_then_decode(engine, [s]) for s in mk()])
     monkeypatch.setattr(model_runner, "decode_groups", lambda ls, bs: [(0, len(ls))] if ls else [])
     padded = prefill_then_decode(engine, mk())
-    for other in (padded, solo):
+    for other in (kernel, padded, solo):
         assert torch.equal(grouped.argmax(-1), other.argmax(-1))
         assert ((grouped - other).abs() / other.std(dim=-1, keepdim=True)).max() < 1e-4
     engine.check_integrity()
-
-
-@pytest.mark.parametrize("model", ["fp32_model", "nf4_model"])
-def test_a_lone_sequence_in_runs_of_blocks_is_read_run_by_run_with_the_same_logits(
-    model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
-) -> None:
-    """float32 pool (one run is read as it is) and the bf16 pool beside float32 compute (each
-    run widened as it is copied), in one run and in three: the same logits as the gather."""
-    loaded = request.getfixturevalue(model)
-    engine = make_engine(loaded, tmp_path, kv_budget_mb=256)
-    engine.shutdown()  # drive the runner directly on this thread
-    rng = random.Random(3)
-    toks = [rng.randrange(100, 40000) for _ in range(700)]
-    seen: list = []
-    real = model_runner._runs
-    monkeypatch.setattr(model_runner, "_runs", lambda b, r: seen.append(real(b, r)) or seen[-1])
-    one_run = prefill_then_decode(engine, [Sequence(list(toks), GREEDY)])
-    assert seen[-1] is not None and len(seen[-1]) == 1  # a fresh pool hands out one run
-    # three runs: hold every block, then free three runs of them, in the order to hand out
-    held = engine.pool.allocate(engine.pool.num_free)
-    given = held[0:20] + held[30:45] + held[60:80]
-    for b in given:
-        engine.pool.free([b])
-    three_runs = prefill_then_decode(engine, [Sequence(list(toks), GREEDY)])
-    assert seen[-1] == [(held[0], 20), (held[30], 15), (held[60], 9)]
-    engine.pool.free([b for b in held if b not in set(given)])
-    monkeypatch.setattr(model_runner, "_runs", lambda b, r: None)
-    gathered = prefill_then_decode(engine, [Sequence(list(toks), GREEDY)])
-    assert torch.equal(one_run, gathered) and torch.equal(three_runs, gathered)
-    engine.check_integrity()
-
-
-def test_runs_are_found_for_one_sequence_and_at_most_max_runs() -> None:
-    runs = model_runner._runs
-    assert runs([4, 5, 6], 1) == [(4, 3)] and runs([9], 1) == [(9, 1)]
-    assert runs([4, 5, 9, 10, 2], 1) == [(4, 2), (9, 2), (2, 1)]
-    assert runs([4, 5], 2) is None
-    assert runs(list(range(0, 2 * model_runner.MAX_RUNS, 2)), 1) is not None
-    assert runs(list(range(0, 2 * model_runner.MAX_RUNS + 2, 2)), 1) is None

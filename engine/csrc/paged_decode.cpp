@@ -1,0 +1,253 @@
+// Decode attention read straight from the paged KV pool, on the CPU (engine/paged_kernel.py).
+//
+// One query token per sequence against its own cached tokens: the K/V rows are read from their
+// blocks where they lie, widened to float32 in registers, and never copied into a padded dense
+// tensor. Work items are (sequence, KV head, chunk of kChunk tokens); a sequence's chunks are
+// merged with their softmax maxima and sums (as flash-decoding does). How a sequence is split
+// depends on its own length only, so its output is the same whatever else is in the batch.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kChunk = 512;  // tokens per work item
+constexpr int64_t kMaxDim = 256;
+constexpr int64_t kMaxBlock = 128;
+
+// exp(x) for x <= 0 (scores minus their maximum), in plain arithmetic the compiler vectorizes:
+// Cephes' expf (range reduction by ln 2, degree-6 polynomial, within 2 ulp); std::exp is a
+// library call per score, which was a third of the kernel's time.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below that exp underflows: 2**-125 stands in for 0
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// `n` elements of the pool, widened to float32.
+template <typename T>
+inline void widen(const T* __restrict src, float* __restrict dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+struct Item {
+  int64_t seq, kv_head, chunk;
+};
+
+// One work item: query heads [G, D] (scaled) against tokens [t0, t1) of one sequence and one
+// KV head; leaves each head's max score, sum of exp and exp-weighted V sum in `part`.
+// `DIM` is the head size when known at compile time (0: `d`), so the loops over it unroll.
+template <typename T, int DIM>
+void attend_chunk(const float* __restrict q, const T* __restrict kh, const T* __restrict vh,
+                  const int64_t* __restrict blocks, int64_t bs, int64_t t0, int64_t t1,
+                  int64_t G, int64_t d_runtime, float* __restrict scores, float* __restrict buf,
+                  float* __restrict part) {
+  const int64_t D = DIM ? DIM : d_runtime, n = t1 - t0, stride = D + 2;
+  // scores: a block's K rows are contiguous in the pool; widen them once, then four tokens
+  // at a time per head (four independent sums in flight)
+  for (int64_t t = 0; t < n;) {
+    const int64_t pos = t0 + t, off = pos % bs, rows = std::min(bs - off, n - t);
+    widen(kh + (blocks[pos / bs] * bs + off) * D, buf, rows * D);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float* sg = scores + g * kChunk + t;
+      int64_t r = 0;
+      for (; r + 4 <= rows; r += 4) {
+        const float *k0 = buf + r * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int64_t i = 0; i < D; ++i) {
+          s0 += qg[i] * k0[i];
+          s1 += qg[i] * k1[i];
+          s2 += qg[i] * k2[i];
+          s3 += qg[i] * k3[i];
+        }
+        sg[r] = s0, sg[r + 1] = s1, sg[r + 2] = s2, sg[r + 3] = s3;
+      }
+      for (; r < rows; ++r) {
+        const float* k0 = buf + r * D;
+        float s0 = 0.f;
+#pragma omp simd reduction(+ : s0)
+        for (int64_t i = 0; i < D; ++i) s0 += qg[i] * k0[i];
+        sg[r] = s0;
+      }
+    }
+    t += rows;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * kChunk;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
+    float l = 0.f;
+#pragma omp simd reduction(+ : l)
+    for (int64_t t = 0; t < n; ++t) {
+      sg[t] = exp_nonpositive(sg[t] - m);
+      l += sg[t];
+    }
+    float* pg = part + g * stride;
+    pg[0] = m, pg[1] = l;
+    std::fill_n(pg + 2, D, 0.f);
+  }
+  // values: widen a block's V rows once, then each head's sum over them
+  for (int64_t t = 0; t < n;) {
+    const int64_t pos = t0 + t, off = pos % bs, rows = std::min(bs - off, n - t);
+    widen(vh + (blocks[pos / bs] * bs + off) * D, buf, rows * D);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* w = scores + g * kChunk + t;
+      float* __restrict acc = part + g * stride + 2;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float wr = w[r];
+        const float* vr = buf + r * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) acc[i] += wr * vr[i];
+      }
+    }
+    t += rows;
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
+         const std::vector<int64_t>& lens, int64_t bs, double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t HKV = kc.size(0), S = kc.size(1), G = H / HKV, NB = table.size(1);
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  // the queries, scaled once
+  std::vector<float> qs(q.data_ptr<float>(), q.data_ptr<float>() + B * H * D);
+  for (auto& x : qs) x *= static_cast<float>(scale);
+
+  std::vector<Item> items;
+  std::vector<int64_t> first(B + 1);  // each sequence's first item
+  for (int64_t b = 0; b < B; ++b) {
+    first[b] = static_cast<int64_t>(items.size());
+    const int64_t chunks = (lens[b] + kChunk - 1) / kChunk;
+    for (int64_t h = 0; h < HKV; ++h)
+      for (int64_t c = 0; c < chunks; ++c) items.push_back({b, h, c});
+  }
+  first[B] = static_cast<int64_t>(items.size());
+  // per item and query head of its group: the chunk's max score, sum of exp, weighted V sum
+  const int64_t stride = D + 2;
+  std::vector<float> part(items.size() * G * stride);
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores(G * kChunk), buf(kMaxBlock * D);
+    for (int64_t i = lo; i < hi; ++i) {
+      const Item it = items[i];
+      const int64_t t0 = it.chunk * kChunk, t1 = std::min(lens[it.seq], t0 + kChunk);
+      const float* qg = qs.data() + (it.seq * H + it.kv_head * G) * D;
+      const T* kh = kp + it.kv_head * S * D;
+      const T* vh = vp + it.kv_head * S * D;
+      const int64_t* blocks = tp + it.seq * NB;
+      float* pi = part.data() + i * G * stride;
+      if (D == 64)
+        attend_chunk<T, 64>(qg, kh, vh, blocks, bs, t0, t1, G, D, scores.data(), buf.data(), pi);
+      else if (D == 128)
+        attend_chunk<T, 128>(qg, kh, vh, blocks, bs, t0, t1, G, D, scores.data(), buf.data(), pi);
+      else
+        attend_chunk<T, 0>(qg, kh, vh, blocks, bs, t0, t1, G, D, scores.data(), buf.data(), pi);
+    }
+  });
+
+  // merge each query head's chunks, in chunk order
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t chunks = (first[b + 1] - first[b]) / HKV;
+    for (int64_t h = 0; h < HKV; ++h) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* p0 = part.data() + ((first[b] + h * chunks) * G + g) * stride;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t c = 0; c < chunks; ++c) m = std::max(m, p0[c * G * stride]);
+        float l = 0.f;
+        float* o = op + (b * H + h * G + g) * D;
+        std::fill_n(o, D, 0.f);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* pc = p0 + c * G * stride;
+          const float w = std::exp(pc[0] - m);
+          l += pc[1] * w;
+          for (int64_t d = 0; d < D; ++d) o[d] += pc[2 + d] * w;
+        }
+        for (int64_t d = 0; d < D; ++d) o[d] /= l;
+      }
+    }
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_table,
+                                  const at::Tensor& context_lens, int64_t block_size,
+                                  double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "q: contiguous float32 [B, H, D]");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache, v_cache: contiguous [H_kv, slots, D], one dtype");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), HKV = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(2) == D && D <= kMaxDim && H % HKV == 0, "head shapes differ");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B &&
+                  block_table.scalar_type() == at::kLong && block_table.is_contiguous(),
+              "block_table: contiguous int64 [B, blocks]");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == B &&
+                  context_lens.scalar_type() == at::kLong,
+              "context_lens: int64 [B]");
+  TORCH_CHECK(block_size > 0 && block_size <= kMaxBlock && k_cache.size(1) % block_size == 0,
+              "block_size");
+  const int64_t pool_blocks = k_cache.size(1) / block_size, NB = block_table.size(1);
+  const auto lens_t = context_lens.contiguous();
+  std::vector<int64_t> lens(lens_t.data_ptr<int64_t>(), lens_t.data_ptr<int64_t>() + B);
+  const int64_t* tp = block_table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] > 0 && lens[b] <= NB * block_size, "context length out of range");
+    for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(tp[b * NB + j] >= 0 && tp[b * NB + j] < pool_blocks, "block id out of range");
+  }
+  auto out = at::empty({B, H, D}, q.options());
+  switch (k_cache.scalar_type()) {
+    case at::kFloat:
+      run<float>(q, k_cache, v_cache, block_table, lens, block_size, scale, out);
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(q, k_cache, v_cache, block_table, lens, block_size, scale, out);
+      break;
+    case at::kHalf:
+      run<c10::Half>(q, k_cache, v_cache, block_table, lens, block_size, scale, out);
+      break;
+    default:
+      TORCH_CHECK(false, "KV pool dtype must be float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(crowdchat, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor context_lens, int block_size, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

@@ -1,0 +1,105 @@
+"""The CPU decode attention kernel (engine/csrc/paged_decode.cpp) against attention computed in
+float64 from the same blocks: seeded random shapes, pool dtypes, block tables and lengths
+(chunk edges included); a sequence's output does not depend on the rest of its batch; bad
+tables and lengths raise instead of reading outside the pool."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import paged_kernel
+
+CHUNK = 512  # the kernel's tokens per work item (kChunk)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> paged_kernel.DecodeKernel:
+    k = paged_kernel.load()
+    assert k is not None, "make builds it: python engine/paged_kernel.py"
+    return k
+
+
+def random_case(rng: random.Random, gen: torch.Generator) -> dict:
+    dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+    hkv, group, d = rng.choice([1, 2, 3]), rng.choice([1, 3, 4]), rng.choice([32, 64, 128])
+    bs = rng.choice([8, 16, 32])
+    lens = [
+        rng.choice([1, bs, CHUNK, CHUNK + 1, 2 * CHUNK, rng.randint(1, 1300)])
+        for _ in range(rng.randint(1, 6))
+    ]
+    nblk = max(-(-n // bs) for n in lens)
+    pool_blocks = len(lens) * nblk + rng.randint(0, 20)
+    order = torch.randperm(pool_blocks, generator=gen)
+    table = torch.zeros(len(lens), nblk, dtype=torch.long)
+    for i in range(len(lens)):
+        table[i] = order[i * nblk : (i + 1) * nblk]
+    return {
+        "q": torch.randn(len(lens), hkv * group, d, generator=gen),
+        "k": torch.randn(hkv, pool_blocks * bs, d, generator=gen).to(dtype),
+        "v": torch.randn(hkv, pool_blocks * bs, d, generator=gen).to(dtype),
+        "table": table,
+        "lens": torch.tensor(lens),
+        "bs": bs,
+        "scale": d**-0.5,
+    }
+
+
+def reference(c: dict) -> torch.Tensor:
+    """softmax(q k^T * scale) v per sequence in float64, K/V rows read through its table."""
+    b, h, d = c["q"].shape
+    hkv, bs = c["k"].shape[0], c["bs"]
+    out = torch.empty(b, h, d, dtype=torch.float64)
+    for i, n in enumerate(c["lens"].tolist()):
+        slots = torch.tensor([int(c["table"][i, t // bs]) * bs + t % bs for t in range(n)])
+        k = c["k"][:, slots].double().repeat_interleave(h // hkv, 0)  # [H, n, D]
+        v = c["v"][:, slots].double().repeat_interleave(h // hkv, 0)
+        w = torch.softmax(torch.einsum("hd,hnd->hn", c["q"][i].double(), k) * c["scale"], -1)
+        out[i] = torch.einsum("hn,hnd->hd", w, v)
+    return out
+
+
+def run(kernel: paged_kernel.DecodeKernel, c: dict) -> torch.Tensor:
+    return kernel(c["q"], c["k"], c["v"], c["table"], c["lens"], c["bs"], c["scale"])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_kernel_equals_float64_attention_over_the_same_blocks(kernel, seed: int) -> None:
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    for _ in range(8):
+        c = random_case(rng, gen)
+        got = run(kernel, c)
+        assert got.dtype == torch.float32 and got.shape == c["q"].shape
+        assert (got.double() - reference(c)).abs().max() < 2e-5
+
+
+def test_a_sequences_output_does_not_depend_on_the_rest_of_its_batch(kernel) -> None:
+    rng, gen = random.Random(11), torch.Generator().manual_seed(11)
+    for _ in range(6):
+        c = random_case(rng, gen)
+        batch = run(kernel, c)
+        for i in range(len(c["lens"])):
+            alone = dict(
+                c, q=c["q"][i : i + 1], table=c["table"][i : i + 1], lens=c["lens"][i : i + 1]
+            )
+            assert torch.equal(run(kernel, alone)[0], batch[i])
+
+
+def test_bad_tables_lengths_and_shapes_raise_instead_of_reading_outside_the_pool(kernel) -> None:
+    c = random_case(random.Random(3), torch.Generator().manual_seed(3))
+    pool_blocks = c["k"].shape[1] // c["bs"]
+    bad = {
+        "block id out of range": dict(c, table=c["table"].clone().fill_(pool_blocks)),
+        "block id out of range ": dict(c, table=c["table"].clone().fill_(-1)),
+        "context length out of range": dict(c, lens=c["lens"].clone().fill_(0)),
+        "context length out of range ": dict(c, lens=c["lens"] + c["table"].shape[1] * c["bs"]),
+        "q: contiguous float32": dict(c, q=c["q"].double()),
+        "one dtype": dict(c, v=c["v"].double()),
+        "block_table": dict(c, table=c["table"].int()),
+    }
+    for message, case in bad.items():
+        with pytest.raises(RuntimeError, match=message.strip()):
+            run(kernel, case)
+    assert (run(kernel, c).double() - reference(c)).abs().max() < 2e-5  # still fine after
