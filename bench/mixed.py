@@ -1,12 +1,20 @@
 """Does one long conversation slow everyone else? Short users' inter-token latency, mixed.
 
-31 short users decode in a closed loop (each sends its next ~100-token prompt as soon as its
-reply of `--new-tokens` ends; EOS ignored) through the engine API. Phase one runs them alone;
+31 short users decode in a closed loop through the engine API (each sends its ~100-token
+prompt again when its reply of `--new-tokens` ends; EOS ignored). Phase one runs them alone;
 phase two runs them again while one `--long-tokens` (6,000) conversation joins, prefills and
 decodes `--long-new-tokens`. Each short token's arrival is stamped by one polling thread.
 `mixed_itl_ratio` is the short users' ITL p50 during the long one's decode phase over their p50
 without it (the target is <= 1.3); the overall ratio covers the whole second phase, prefill
 chunks included. Prints one JSON object per phase and, last, a summary JSON object.
+
+The short replies are long by default (2,000 tokens: the users decode through both phases, as
+the issue has them). With short replies (`--new-tokens 32`, the default before 2026-12-02) a
+step that carries a user's next prompt costs ~300 ms more on the 2-core EPYC (100 tokens of
+prefill compute) and the ITL p50 lands on those steps or between them depending on how the
+users' turns happen to bunch up, in either phase (2.0-3.0 measured, whatever the long one
+cost). `--decode-attention gather` runs the engine's gather path instead of the CPU kernel, for
+a before/after in one run.
 
 Measured 2026-11-30 on the shared 2-core AMD EPYC (no AVX512; load average 6-16 from other
 work), `--quant none --threads 1 --long-new-tokens 16 --kv-budget-mb 1024`, float32, the old
@@ -144,10 +152,16 @@ def main() -> None:
     ap.set_defaults(max_model_len=8192)
     ap.add_argument("--short-users", type=int, default=31)
     ap.add_argument("--prompt-tokens", type=int, default=100)
-    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=2000)
     ap.add_argument("--long-tokens", type=int, default=6000)
     ap.add_argument("--long-new-tokens", type=int, default=32)
     ap.add_argument("--alone-seconds", type=float, default=20.0)
+    ap.add_argument(
+        "--decode-attention",
+        choices=("kernel", "gather"),
+        default="kernel",
+        help="the CPU kernel (where built) or the gather path (CUDA's)",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     config = EngineConfig.from_namespace(args)
@@ -155,6 +169,8 @@ def main() -> None:
     prompts = short_prompts(loaded, args.short_users, args.prompt_tokens)
     long = long_prompt(loaded, args.long_tokens)
     engine = Engine(config, loaded)
+    if args.decode_attention == "gather":
+        engine.runner.decode_kernel = None
     try:
         run_phase(engine, prompts[:4], 8, 2.0, None, 0)  # warm-up
         alone = run_phase(engine, prompts, args.new_tokens, args.alone_seconds, None, 0)
@@ -171,6 +187,8 @@ def main() -> None:
         "dtype": dtype_name(loaded.dtype),
         "short_users": args.short_users,
         "long_tokens": args.long_tokens,
+        "new_tokens": args.new_tokens,
+        "decode_attention": "kernel" if engine.runner.decode_kernel else "gather",
         "alone_itl_p50_s": base,
         "mixed_decode_itl_p50_s": mixed["decode_phase_itl_p50_s"],
         "mixed_overall_itl_p50_s": mixed["itl_p50_s"],
