@@ -39,12 +39,13 @@ _loaded: dict[str, DecodeKernel | None] = {}
 
 
 def build_dir() -> Path:
-    """Where this machine's build lives: one per source, CPU model and torch version (the code
-    is compiled for the CPU it runs on)."""
+    """Where this machine's build lives: one per source, CPU model and instruction sets, and
+    torch version (the code is compiled for the CPU it runs on; a home directory shared by
+    machines of different CPUs gets one build each)."""
     cpu = platform.processor() or platform.machine()
     try:
-        with open("/proc/cpuinfo") as f:
-            cpu += next((line for line in f if line.startswith(("model name", "flags"))), "")
+        with open("/proc/cpuinfo") as f:  # the model and its instruction sets (one per core)
+            cpu += "".join(dict.fromkeys(x for x in f if x.startswith(("model name", "flags"))))
     except OSError:
         pass
     what = f"{cpu}|{torch.__version__}|{FLAGS}|".encode() + SOURCE.read_bytes()
