@@ -148,7 +148,12 @@ def test_system_prompt_survives_a_reload_and_the_next_send(browser: Browser, ser
     page.goto(url + "/")
     loaded(page)
     open_settings(page)
-    page.locator("#system textarea").fill("You are a pirate.")
+    # the settings may still render as the page settles: the prompt must be in the box (and
+    # the box left) before the send reads it (CI once sent an empty one)
+    system = page.locator("#system textarea")
+    system.fill("You are a pirate.")
+    expect(system).to_have_value("You are a pirate.", timeout=10_000)
+    system.press("Tab")
     set_max_tokens(page, 16)  # a short reply on a slow CPU
     page.locator("#message textarea").fill("Ahoy, who sails this ship?")
     page.locator("#send").click()
