@@ -11,8 +11,8 @@ CPU (flex_attention over a paged block mask compiled, and ran ~15x slower than t
 
 It is built once per machine with PyTorch's own extension builder (a C++ compiler and ninja;
 ~25 s on 2 cores) into `~/.cache/crowdchat/kernels/`, `-march=native` for the CPU it runs on;
-`make` builds it at install (`python -m engine.paged_kernel`). Where it cannot be built,
-decode attention gathers, as before, and the log says why.
+`make` builds it first (`python engine/paged_kernel.py`, which imports no more than torch).
+Where it cannot be built, decode attention gathers, as before, and the log says why.
 """
 
 from __future__ import annotations
@@ -66,19 +66,19 @@ def _build() -> DecodeKernel | None:
     from torch.utils import cpp_extension
 
     where = build_dir()
+    built = where / f"{NAME}.so"
     try:
-        built = where / f"{NAME}.so"
         if built.exists():  # cpp_extension.load would take ~3 s to find it up to date
             torch.ops.load_library(str(built))
-            return torch.ops.crowdchat.paged_decode_attention
-        where.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name=NAME,
-            sources=[str(SOURCE)],
-            extra_cflags=FLAGS,
-            build_directory=str(where),
-            is_python_module=False,
-        )
+        else:  # builds it and loads it
+            where.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(
+                name=NAME,
+                sources=[str(SOURCE)],
+                extra_cflags=FLAGS,
+                build_directory=str(where),
+                is_python_module=False,
+            )
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: gather
         log.warning("CPU decode attention kernel unavailable (%s); decode attention gathers", e)
         return None
@@ -86,7 +86,7 @@ def _build() -> DecodeKernel | None:
 
 
 def main() -> None:
-    """`python -m engine.paged_kernel`: build the kernel now (make does, at install)."""
+    """`python engine/paged_kernel.py`: build the kernel now (`make kernel` does)."""
     logging.basicConfig(level=logging.INFO)
     if load() is None:
         raise SystemExit("the CPU decode attention kernel could not be built (see above)")
