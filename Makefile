@@ -21,14 +21,14 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium
 
-# the CPU decode attention kernel is C++ (engine/paged_kernel.py): built once per machine
+# the CPU kernels are C++ (engine/cpu_kernels.py): built once per machine
 # with a compiler and ninja, cached in ~/.cache/crowdchat/kernels (a no-op when built)
 /usr/bin/g++ /usr/bin/ninja:
 	$(SUDO) apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq g++ ninja-build
 
 kernel: $(STAMP) /usr/bin/g++ /usr/bin/ninja
-	$(PY) engine/paged_kernel.py
+	$(PY) engine/cpu_kernels.py
 
 run: kernel
 	$(PY) app.py $(ARGS)

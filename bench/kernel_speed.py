@@ -1,9 +1,10 @@
 """Which weight kernel is fastest here? One engine decode step, timed per kernel and row count.
 
-Loads the embedded model once per mode (`--quant nf4` on PyTorch's int4 kernel with its default
-dense copy: FBGEMM's float16 above 4 rows where compute is float32, else a copy in the compute
-dtype above 16; the same with the compute-dtype copy above 16 rows, as before FBGEMM; packed
-only; bitsandbytes nf4; and `--quant none`), then times a
+Loads the embedded model once per mode (`--quant nf4` as the server runs it: crowdchat's 4-bit
+kernel where compute is float32 (engine.cpu_kernels), else PyTorch's, with the default dense
+copy: FBGEMM's float16 above 4 rows where compute is float32, else a copy in the compute dtype
+above 16; the same on PyTorch's int4 kernel; with the compute-dtype copy above 16 rows, as
+before FBGEMM; packed only; bitsandbytes nf4; and `--quant none`), then times a
 decode step of 1, 8 and 32 sequences (contexts ~100 tokens) and a 500-token prefill, in
 interleaved rounds so that a noisy machine slows every mode alike. One JSON line per mode,
 then a summary with each mode's step times over bitsandbytes' and the machine.
@@ -24,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # the engine first: it sets OpenMP's passive waits before torch loads libgomp (engine/threads.py),
 # so this measures the same threads the server runs, not spinning ones
-from engine import Engine, EngineConfig, SamplingParams, cpu_quant, fused_proj, model_runner  # noqa: E402, I001
+from engine import Engine, EngineConfig, SamplingParams, cpu_quant, fused_proj  # noqa: E402, I001
+from engine import cpu_kernels, model_runner  # noqa: E402
 
 import torch  # noqa: E402
 from engine.loader import dtype_name, load_model  # noqa: E402
@@ -32,7 +34,9 @@ from engine.scheduler import StepPlan  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 
 MODES = {
-    "torch_int4_default": {"quant": "nf4"},
+    "int4_default": {"quant": "nf4"},
+    # PyTorch's int4 kernel where crowdchat's would run (before it)
+    "torch_int4_kernel": {"quant": "nf4", "torch_q4": True},
     # the dense copy in the compute dtype above 16 rows (the default before FBGEMM's float16)
     "torch_int4_dense_above_16": {"quant": "nf4", "cpu_dense_above": 16, "no_fp16": True},
     # the same without issue 9's cuts (q/k/v and gate/up fused, one-op RMSNorm): before/after
@@ -44,7 +48,7 @@ MODES = {
     "bitsandbytes_nf4": {"quant": "nf4", "bnb": True},
     "dense": {"quant": "none"},
 }
-ROWS = (1, 4, 8, 32)
+ROWS = (1, 2, 4, 6, 8, 32)
 
 
 def cpu_name() -> str:
@@ -55,16 +59,20 @@ def cpu_name() -> str:
 
 
 def load(mode: dict, data_dir: Path) -> Engine:
-    settings = {k: v for k, v in mode.items() if k not in ("bnb", "unfused", "hf", "no_fp16")}
+    flags = ("bnb", "unfused", "hf", "no_fp16", "torch_q4")
+    settings = {k: v for k, v in mode.items() if k not in flags}
     config = EngineConfig(data_dir=data_dir, kv_budget_mb=256, **settings)  # type: ignore[arg-type]
-    available, fp16, fuse, norms = (
+    available, fp16, fuse, norms, q4 = (
         cpu_quant.available,
         cpu_quant.fp16_gemm_available,
         fused_proj.fuse_projections,
         model_runner.fuse_norms,
+        cpu_kernels.q4_linear,
     )
     if mode.get("bnb"):
         cpu_quant.available = lambda: False  # the loader then takes bitsandbytes
+    if mode.get("torch_q4"):
+        cpu_kernels.q4_linear = lambda: None
     if mode.get("no_fp16"):
         cpu_quant.fp16_gemm_available = lambda: False
     if mode.get("unfused"):
@@ -77,6 +85,7 @@ def load(mode: dict, data_dir: Path) -> Engine:
         cpu_quant.available, fused_proj.fuse_projections = available, fuse
         cpu_quant.fp16_gemm_available = fp16
         model_runner.fuse_norms = norms
+        cpu_kernels.q4_linear = q4
     engine.shutdown()  # drive the runner on this thread
     if mode.get("hf"):
         engine.runner.lean = None  # type: ignore[attr-defined]
@@ -160,10 +169,12 @@ def main() -> None:
             for r in ROWS:
                 key = f"decode_{r}_ms"
                 summary[f"{n}_decode_{r}_vs_bnb"] = round(base[key] / result[n][key], 2)
-    after = result.get("torch_int4_default")
-    # the default path over the same without issue 9's cuts, with the compute-dtype dense copy
-    # (before FBGEMM's float16), and through transformers' modules (before the flat forward)
+    after = result.get("int4_default")
+    # the default path over the same on PyTorch's int4 kernel, without issue 9's cuts, with the
+    # compute-dtype dense copy (before FBGEMM's float16), and through transformers' modules
+    # (before the flat forward)
     befores = {
+        "own_q4": "torch_int4_kernel",
         "issue9": "torch_int4_unfused",
         "fp16_dense": "torch_int4_dense_above_16",
         "lean_forward": "torch_int4_transformers_forward",

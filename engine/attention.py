@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from engine.paged_kernel import DecodeKernel
+from engine.cpu_kernels import Kernel
 
 IMPLEMENTATION = "crowdchat_paged"
 
@@ -51,9 +51,9 @@ class StepMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     decode_groups: list[DecodeGroup]  # the decodes come first in the row, in these groups
     prefills: list[PrefillChunk]
-    # the CPU kernel that reads decodes' K/V from their blocks (engine.paged_kernel); None:
+    # the CPU kernel that reads decodes' K/V from their blocks (engine.cpu_kernels); None:
     # gather them (CUDA, or where it could not be built)
-    decode_kernel: DecodeKernel | None = None
+    decode_kernel: Kernel | None = None
 
 
 def paged_attention(

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from engine import attention, paged_kernel
+from engine import attention, cpu_kernels
 from engine.attention import DecodeGroup, PrefillChunk, StepMetadata
 from engine.kv_cache import KVCache
 from engine.lean_llama import lean_forward
@@ -66,8 +66,8 @@ class ModelRunner:
         fuse_norms(self.model)  # bitwise the same outputs, 1 op instead of 8 (engine.lean_norm)
         # Llama-shaped decoders run as one flat function, bitwise the same (engine.lean_llama)
         self.lean = lean_forward(self.model)
-        # decode attention straight from the pool's blocks on the CPU (engine.paged_kernel)
-        self.decode_kernel = paged_kernel.load() if self.device.type == "cpu" else None
+        # decode attention straight from the pool's blocks on the CPU (engine.cpu_kernels)
+        self.decode_kernel = cpu_kernels.decode_attention() if self.device.type == "cpu" else None
         gen = getattr(self.model, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) or loaded.tokenizer.eos_token_id
         self.stop_ids: list[int] = sorted({eos} if isinstance(eos, int) else set(eos or []))

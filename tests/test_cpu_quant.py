@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_quant
+from engine import cpu_kernels, cpu_quant
 from engine.cpu_quant import GROUP_SIZE, DenseKind, Fp16Linear, Int4Linear, Int8Linear
 from engine.loader import LoadedModel
 
@@ -92,6 +94,42 @@ def test_fp16_copy_computes_each_row_alone_as_in_any_batch() -> None:
             torch.testing.assert_close(batch, want, rtol=2**-7, atol=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_crowdchat_int4_kernel_computes_what_torchs_does(seed: int) -> None:
+    """engine/csrc/q4_linear.cpp against PyTorch's int4 kernel on the same quantized weights:
+    within one bf16 ulp of each other (their sums run in different orders), at every row count
+    (it takes rows 4 at a time); each row's output is bitwise the same alone or in any batch."""
+    assert cpu_kernels.load(), "make builds them: python engine/cpu_kernels.py"
+    gen = torch.Generator().manual_seed(seed)
+    n, k = [(96, 64), (208, 576), (576, 1536), (48, 32)][seed]
+    w = q4_1_weights(gen, n, k) * (1 + 10 * seed)
+    torchs, ours = Int4Linear(w, None), Int4Linear(w, None, own=True)
+    assert ours.own and not torchs.own
+    for rows in (1, 2, 3, 4, 5, 7, 9, 16):
+        x = torch.randn(rows, k, generator=gen) * (0.1 + seed)
+        want, got = torchs(x), ours(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        assert torch.equal(got, got.bfloat16().float())  # rounded as the kernels round
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
+        solo = torch.cat([ours(x[i : i + 1]) for i in range(rows)])
+        assert torch.equal(got, solo)
+
+
+def test_crowdchat_int4_kernel_rejects_what_it_cannot_compute() -> None:
+    assert cpu_kernels.load(), "make builds them: python engine/cpu_kernels.py"
+    ours = Int4Linear(torch.randn(8, 64), None, own=True)
+    q4 = torch.ops.crowdchat.q4_linear
+    with pytest.raises(RuntimeError, match="columns"):
+        q4(torch.randn(2, 32), ours.packed, ours.scales_zeros)
+    with pytest.raises(RuntimeError, match="float32"):
+        q4(torch.randn(2, 64).bfloat16(), ours.packed, ours.scales_zeros)
+    with pytest.raises(RuntimeError, match="scales_zeros"):
+        q4(torch.randn(2, 64), ours.packed, ours.scales_zeros[:4])
+    with pytest.raises(RuntimeError, match="scales_zeros"):
+        q4(torch.randn(2, 64), ours.packed, ours.scales_zeros.float())
+    assert q4(torch.randn(0, 64), ours.packed, ours.scales_zeros).shape == (0, 8)
+
+
 def test_packed_only_keeps_no_dense_copy() -> None:
     lin = Int4Linear(torch.randn(32, 64), None)
     assert lin.dense is None
@@ -109,14 +147,18 @@ def test_the_default_cpu_model_runs_on_torch_int4_kernels(nf4_model: LoadedModel
     assert "Int4Linear" in kinds and "Linear4bit" not in kinds
     assert not any(type(m) is torch.nn.Linear for m in nf4_model.model.model.layers.modules())
     head = nf4_model.model.get_output_embeddings()
+    # crowdchat's own 4-bit kernel where compute is float32 (engine.cpu_kernels, built by make)
+    own = nf4_model.dtype == torch.float32
+    assert all(m.own == own for m in nf4_model.model.modules() if isinstance(m, Int4Linear))
+    int4 = "crowdchat-int4g32" if own else "torch-int4g32"
     if cpu_quant.dense_kind(nf4_model.dtype, None).fp16:
         assert isinstance(head, Fp16Linear)
-        assert nf4_model.kernel == "torch-int4g32+fp16"
+        assert nf4_model.kernel == int4 + "+fp16"
         # the packed copies count as the model's memory (the admin page, the KV budget)
         assert nf4_model.model_bytes > nf4_model.model.get_memory_footprint() + 200 * 2**20
     else:
         assert isinstance(head, Int8Linear)
-        assert nf4_model.kernel == "torch-int4g32"
+        assert nf4_model.kernel == int4
     assert nf4_model.fingerprint(16)["quant"] == f"nf4/{nf4_model.kernel}"
 
 
@@ -133,13 +175,19 @@ def test_a_q4_1_gguf_requantizes_to_int4_without_loss(fp32_model: LoadedModel) -
 
 
 @pytest.mark.parametrize("fp16", DENSE_KINDS)
-@pytest.mark.parametrize("make", [Int4Linear, Int8Linear])
+@pytest.mark.parametrize(
+    "make", [Int4Linear, Int8Linear, partial(Int4Linear, own=True)], ids=["int4", "int8", "own"]
+)
 def test_fused_projections_compute_exactly_what_separate_ones_do(make: type, fp16: bool) -> None:
     """q/k/v (and gate/up) quantized as one matrix give bitwise the separate layers' outputs,
-    on the packed kernel (<= 16 rows) and the dense copy (more, bf16 or FBGEMM's float16),
-    in any call order."""
+    on the packed kernel (<= 16 rows; PyTorch's or crowdchat's) and the dense copy (more, bf16
+    or FBGEMM's float16), in any call order."""
     from engine.fused_proj import FusedProjection, ProjectionPart, fuse_projections
 
+    if isinstance(make, partial):
+        if not fp16:
+            pytest.skip("crowdchat's 4-bit kernel serves float32 compute")
+        assert cpu_kernels.load(), "make builds them: python engine/cpu_kernels.py"
     gen = torch.Generator().manual_seed(5)
     dtype = torch.float32 if fp16 else torch.bfloat16
     parent = torch.nn.Module()

@@ -1,4 +1,4 @@
-"""Decode attention on the CPU reads each sequence's own blocks (engine.paged_kernel); where it
+"""Decode attention on the CPU reads each sequence's own blocks (engine.cpu_kernels); where it
 gathers instead (CUDA, no kernel) it groups decodes by context length, so one long conversation
 costs its own context. Either way the logits change by rounding only."""
 
@@ -53,7 +53,7 @@ def test_the_runner_pads_short_decodes_only_to_their_own_group(
         s.num_computed = s.num_tokens - 1
     kernel = engine.runner.decode_kernel
     try:
-        assert kernel is not None  # built by make (engine.paged_kernel)
+        assert kernel is not None  # built by make (engine.cpu_kernels)
         meta, _, _, _ = engine.runner._metadata(StepPlan(decodes=seqs))
         # the kernel reads each one's own blocks: one group, no padding
         [whole] = meta.decode_groups

@@ -1,4 +1,4 @@
-// Decode attention read straight from the paged KV pool, on the CPU (engine/paged_kernel.py).
+// Decode attention read straight from the paged KV pool, on the CPU (engine/cpu_kernels.py).
 //
 // One query token per sequence against its own cached tokens: the K/V rows are read from their
 // blocks where they lie, widened to float32 in registers, and never copied into a padded dense
@@ -20,6 +20,10 @@
 namespace {
 
 constexpr int64_t kChunk = 512;  // tokens per work item
+// below this many (token, KV head) pairs in a call, one thread does it all: waking the other
+// threads (passive OpenMP waits, engine/threads.py) costs more than they would save (2-core
+// EPYC: one row of 200 tokens, 3 KV heads, ~40 us alone, ~60 with the second thread woken)
+constexpr int64_t kSerialWork = 2048;
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kMaxBlock = 128;
 
@@ -141,7 +145,9 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
 
   std::vector<Item> items;
   std::vector<int64_t> first(B + 1);  // each sequence's first item
+  int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) {
+    work += lens[b] * HKV;
     first[b] = static_cast<int64_t>(items.size());
     const int64_t chunks = (lens[b] + kChunk - 1) / kChunk;
     for (int64_t h = 0; h < HKV; ++h)
@@ -152,7 +158,8 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   const int64_t stride = D + 2;
   std::vector<float> part(items.size() * G * stride);
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t lo, int64_t hi) {
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, n_items, work < kSerialWork ? n_items + 1 : 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scores(G * kChunk), buf(kMaxBlock * D);
     for (int64_t i = lo; i < hi; ++i) {
       const Item it = items[i];

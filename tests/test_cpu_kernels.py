@@ -10,15 +10,15 @@ import random
 import pytest
 import torch
 
-from engine import paged_kernel
+from engine import cpu_kernels
 
 CHUNK = 512  # the kernel's tokens per work item (kChunk)
 
 
 @pytest.fixture(scope="module")
-def kernel() -> paged_kernel.DecodeKernel:
-    k = paged_kernel.load()
-    assert k is not None, "make builds it: python engine/paged_kernel.py"
+def kernel() -> cpu_kernels.Kernel:
+    k = cpu_kernels.decode_attention()
+    assert k is not None, "make builds it: python engine/cpu_kernels.py"
     return k
 
 
@@ -61,7 +61,7 @@ def reference(c: dict) -> torch.Tensor:
     return out
 
 
-def run(kernel: paged_kernel.DecodeKernel, c: dict) -> torch.Tensor:
+def run(kernel: cpu_kernels.Kernel, c: dict) -> torch.Tensor:
     return kernel(c["q"], c["k"], c["v"], c["table"], c["lens"], c["bs"], c["scale"])
 
 

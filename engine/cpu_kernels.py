@@ -1,0 +1,118 @@
+"""crowdchat's own CPU kernels (C++, `engine/csrc/`), built once per machine.
+
+- `paged_decode_attention` (`csrc/paged_decode.cpp`): decode attention read straight from the
+  paged KV pool. The gather path (`engine.attention`) copies every decoding sequence's blocks
+  into a dense tensor, widens a bf16 pool to float32, then calls SDPA: three passes over the
+  context's bytes and a padded batch. On the 2-core AVX2 EPYC that was ~40% of a 32-row decode
+  step, and one long conversation slowed everyone (issue 9). The kernel reads each K/V row from
+  its block where it lies and widens it in registers, splits long contexts into chunks over the
+  cores, and merges them as flash-decoding does: 3-4x faster than the gather at 32 rows of 200
+  tokens and at one row of 6,000 (bench/kernel_speed.py). PyTorch has no paged attention for
+  the CPU (flex_attention over a paged block mask compiled, and ran ~15x slower than the gather).
+- `q4_linear` (`csrc/q4_linear.cpp`): the 4-bit weights' matmul for few rows where compute is
+  float32 (engine.cpu_quant): PyTorch's int4 kernel widens bfloat16 activations group by group
+  on CPUs without native bfloat16; this one widens each group's weights once for up to 4 rows.
+
+They are built with PyTorch's own extension builder (a C++ compiler and ninja; ~40 s on 2
+cores) into `~/.cache/crowdchat/kernels/`, `-march=native` for the CPU they run on; `make`
+builds them first (`python engine/cpu_kernels.py`, which imports no more than torch). Where
+they cannot be built, decode attention gathers and the 4-bit weights run on PyTorch's kernel,
+as before, and the log says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
+NAME = "crowdchat_cpu_kernels"
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+Kernel = Callable[..., torch.Tensor]
+_lock = threading.Lock()
+_loaded: list[bool] = []  # once tried: whether the library loaded
+
+
+def build_dir() -> Path:
+    """Where this machine's build lives: one per source, CPU model and instruction sets, and
+    torch version (the code is compiled for the CPU it runs on; a home directory shared by
+    machines of different CPUs gets one build each)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:  # the model and its instruction sets (one per core)
+            cpu += "".join(dict.fromkeys(x for x in f if x.startswith(("model name", "flags"))))
+    except OSError:
+        pass
+    what = f"{cpu}|{torch.__version__}|{FLAGS}|".encode()
+    what += b"".join(p.name.encode() + p.read_bytes() for p in SOURCES)
+    key = hashlib.sha256(what).hexdigest()[:12]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "crowdchat" / "kernels" / key
+
+
+def load() -> bool:
+    """Whether the kernels are loaded (built on first use on this machine) as
+    `torch.ops.crowdchat.*`; False where they cannot be built."""
+    with _lock:
+        if not _loaded:
+            _loaded.append(_build())
+        return _loaded[0]
+
+
+def decode_attention() -> Kernel | None:
+    """The paged decode attention op, or None where the kernels cannot be built."""
+    return torch.ops.crowdchat.paged_decode_attention if load() else None
+
+
+def q4_linear() -> Kernel | None:
+    """The 4-bit weights' few-row matmul op, or None where the kernels cannot be built."""
+    return torch.ops.crowdchat.q4_linear if load() else None
+
+
+def _build() -> bool:
+    from torch.utils import cpp_extension
+
+    where = build_dir()
+    built = where / f"{NAME}.so"
+    try:
+        if built.exists():  # cpp_extension.load would take ~3 s to find it up to date
+            torch.ops.load_library(str(built))
+        else:  # builds it and loads it
+            where.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(
+                name=NAME,
+                sources=[str(p) for p in SOURCES],
+                extra_cflags=FLAGS,
+                build_directory=str(where),
+                is_python_module=False,
+            )
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: gather
+        log.warning(
+            "crowdchat's CPU kernels unavailable (%s): decode attention gathers, 4-bit weights "
+            "run on PyTorch's int4 kernel",
+            e,
+        )
+        return False
+    return True
+
+
+def main() -> None:
+    """`python engine/cpu_kernels.py`: build the kernels now (`make kernel` does)."""
+    logging.basicConfig(level=logging.INFO)
+    if not load():
+        raise SystemExit("crowdchat's CPU kernels could not be built (see above)")
+    print(f"crowdchat's CPU kernels: {build_dir()}")
+
+
+if __name__ == "__main__":
+    main()
