@@ -17,7 +17,11 @@ LLAMA_STYLE = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
 
 
 def rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`weight * (x / rms(x)).to(x.dtype)`, the float32 normalization in one op."""
+    """`weight * (x / rms(x)).to(x.dtype)`, the float32 normalization in one op. In float32
+    the weight goes into that op too (the same products: no cast between them), one call
+    instead of four, which counts at 61 norms a token."""
+    if x.dtype == torch.float32 and module.weight.dtype == torch.float32:
+        return torch.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
     h = torch.rms_norm(x.float(), (x.shape[-1],), None, module.variance_epsilon)
     return module.weight * h.to(x.dtype)
 

@@ -210,13 +210,20 @@ def test_a_reply_streams_only_into_the_conversation_on_screen(
     for _ in range(10):  # the story keeps running, but never paints over this one
         time.sleep(0.3)
         assert "lighthouse" not in page.locator("#chatbot").inner_text()
-    # back to the story while it still runs: it paints there again, up to Stop
+    # back to the story: it paints there again, up to Stop. The model may have ended the story
+    # by itself (EOS) meanwhile, sooner on a faster kernel: then Stop has nothing left to stop
+    # and the status is empty, which the stored reply's finish reason tells apart.
     open_conversation(page, "Write a long story", "lighthouse keeper")
-    expect(page.locator("#status")).to_contain_text("Replying", timeout=20_000)
     page.locator("#stop").click()
-    expect(page.locator("#status")).to_contain_text("Stopped", timeout=20_000)
     story = session_titled(sm, "Write a long story", replies=1)
-    reply = sm.store.messages(story["id"])[-1]["content"]
+    last = sm.store.messages(story["id"])[-1]
+    reply = last["content"]
+    stopped = last["finish_reason"] == "cancelled"
+    assert stopped or last["finish_reason"] in ("stop", "length"), last["finish_reason"]
+    if stopped:
+        expect(page.locator("#status")).to_contain_text("Stopped", timeout=20_000)
+    else:
+        expect(page.locator("#status")).not_to_contain_text("Replying", timeout=20_000)
     assert len(reply) > 10 and "Name one colour" not in page.locator("#chatbot").inner_text()
     expect(page.locator("#chatbot")).to_contain_text(reply.strip()[:30], timeout=10_000)
     context.close()
