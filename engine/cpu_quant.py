@@ -11,18 +11,22 @@ modes (float16 beside float16 dense copies, below): it is the largest matrix, an
 the logits close.
 
 The kernels are fast with bfloat16 activations only (their float32 paths are scalar), so
-activations are cast to bfloat16 around the matmul and back. Where a step's rows are many
-(a prefill chunk, a crowd of decodes) a dense matmul of the *dequantized* weights is faster;
-a dense copy of the same quantized values is kept for that when the operator allows the memory
-(`--cpu-dense-above`), rounded the same way as the kernels (bf16 in and out), so both paths
-compute the same model. Where compute is float32 (CPUs without native bfloat16) that copy is
-float16, packed for FBGEMM's fp16 GEMM (`quantized::linear_dynamic_fp16`, in PyTorch core: it
-widens the weights to float32 in registers, so it reads half the bytes of a float32 matmul and
-is 1.5-2.5x faster at 8-64 rows on the 2-core AVX2 EPYC; README "Which kernel runs where"). Every
-weight rounds to float16 within 2**-11 of itself (relative), far below the bf16 rounding of
-the activations (2**-8). The output projection then runs on a float16 copy at every row count:
-there FBGEMM was faster than the int8 kernel even at one row.
-"""
+activations are cast to bfloat16 around the matmul and back. Where compute is float32 (CPUs
+without native bfloat16, where PyTorch's int4 kernel widens its bf16 activations group by
+group) the 4-bit weights run on crowdchat's own kernel instead (`csrc/q4_linear.cpp`, built by
+engine.cpu_kernels), which rounds the same way and computes the same values to one bf16 ulp.
+
+Where a step's rows are many (a prefill chunk, a crowd of decodes) a dense matmul of the
+*dequantized* weights is faster; a dense copy of the same quantized values is kept for that
+when the operator allows the memory (`--cpu-dense-above`), rounded the same way as the kernels
+(bf16 in and out), so both paths compute the same model. Where compute is float32 (CPUs without
+native bfloat16) that copy is float16, packed for FBGEMM's fp16 GEMM
+(`quantized::linear_dynamic_fp16`, in PyTorch core: it widens the weights to float32 in
+registers, so it reads half the bytes of a float32 matmul and is 1.5-2.5x faster at 8-64 rows
+on the 2-core AVX2 EPYC; README "Which kernel runs where"). Every weight rounds to float16
+within 2**-11 of itself (relative), far below the bf16 rounding of the activations (2**-8). The
+output projection then runs on a float16 copy at every row count: there FBGEMM was faster than
+the int8 kernel even at one row."""
 
 from __future__ import annotations
 
@@ -126,7 +130,7 @@ class QuantLinear(nn.Module):
 class Int4Linear(QuantLinear):
     """y = x W^T with W in 4 bits, groups of 32 along K, each `(q - 8) * scale + zero`: on
     PyTorch's int4 kernel, or with `own` (float32 compute) on crowdchat's (engine.cpu_kernels),
-    which computes the same weights 1.5-2x faster on CPUs without native bfloat16."""
+    1.2-1.9x faster a call on the 2-core AVX2 EPYC (README "Which kernel runs where")."""
 
     def __init__(self, weight: torch.Tensor, dense: DenseKind | None, own: bool = False) -> None:
         n, k = weight.shape
