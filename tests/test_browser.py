@@ -215,7 +215,7 @@ def test_a_reply_streams_only_into_the_conversation_on_screen(
     # and the status is empty, which the stored reply's finish reason tells apart.
     open_conversation(page, "Write a long story", "lighthouse keeper")
     page.locator("#stop").click()
-    story = session_titled(sm, "Write a long story", replies=1)
+    story = session_titled(sm, "Write a long story about a lighthouse", replies=1)
     last = sm.store.messages(story["id"])[-1]
     reply = last["content"]
     stopped = last["finish_reason"] == "cancelled"
