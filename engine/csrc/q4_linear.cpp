@@ -1,12 +1,12 @@
 // 4-bit weight-only linear for few rows on CPUs whose compute is float32 (engine/cpu_quant.py).
 //
 // y = x W^T with W in groups of 32 along K, each weight `(q - 8) * scale + zero`, q in 0..15
-// (GGUF's Q4_1 values, the same model `_weight_int4pack_mm_for_cpu` computes). PyTorch's kernel takes bfloat16 activations, and on CPUs without
-// native bfloat16 it widens them group by group; here each group's 32 nibbles are widened once
-// to float32 in registers (in-lane byte shuffles, not the slower cross-lane sign extension)
-// and multiplied with up to kRows rows of x, accumulating in float32. x is rounded to bfloat16
-// first and y after, as around PyTorch's kernel, so both compute the same model (to
-// accumulation order: at most one bfloat16 ulp apart).
+// (GGUF's Q4_1 values, the same model `_weight_int4pack_mm_for_cpu` computes). PyTorch's kernel
+// takes bfloat16 activations, and on CPUs without native bfloat16 it widens them group by group;
+// here each group's 32 nibbles are widened once to float32 in registers (in-lane byte shuffles,
+// not the slower cross-lane sign extension) and multiplied with up to kRows rows of x,
+// accumulating in float32. x is rounded to bfloat16 first and y after, as around PyTorch's kernel,
+// so both compute the same model (to accumulation order: at most one bfloat16 ulp apart).
 //
 // Layout (engine/cpu_quant.py): packed uint8 [N, K/32, 16], byte j of a group holding q[j] in
 // its low nibble and q[j + 16] in its high one; each group's scale and zero, bfloat16
@@ -54,10 +54,6 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-inline __m256 widen8(__m128i bytes) {  // the low 8 signed bytes, as float32
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 }
 
 // Output rows [n0, n1) for R rows of x (`xr`: [R, K] rounded, `xs`: [R, K/32] group sums).
