@@ -69,6 +69,12 @@ def load() -> bool:
         return _loaded[0]
 
 
+def loaded() -> bool:
+    """Whether the kernels were loaded (by an earlier `load`): a check without the lock, for
+    the per-call paths."""
+    return bool(_loaded) and _loaded[0]
+
+
 def decode_attention() -> Kernel | None:
     """The paged decode attention op, or None where the kernels cannot be built."""
     return torch.ops.crowdchat.paged_decode_attention if load() else None

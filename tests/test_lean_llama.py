@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineConfig
+from engine import EngineConfig, cpu_kernels
 from engine.lean_llama import LeanLlama, lean_forward
 from engine.loader import LoadedModel, load_model
 from engine.scheduler import StepPlan
@@ -114,3 +114,74 @@ def test_other_decoders_keep_transformers_code(nf4_model: LoadedModel) -> None:
             assert lean_forward(model) is None, attr
         finally:
             setattr(cfg, attr, old)
+
+
+@pytest.fixture(scope="module")
+def nf4_fp32_model(nf4_model: LoadedModel, model_dir: Path) -> LoadedModel:
+    """The embedded model in nf4 with float32 compute: its 4-bit weights on crowdchat's kernel."""
+    if nf4_model.model.dtype == torch.float32:
+        return nf4_model
+    return load_model(EngineConfig(data_dir=model_dir, dtype="float32"))
+
+
+def _decodes_both_ways(loaded: LoadedModel, tmp: Path, seed: int) -> int:
+    """Steps of 1-4 decode rows (the lean forward's path on crowdchat's CPU kernels) at random
+    context lengths, run through both forwards: their logits and the K/V they write must be
+    equal bitwise. Returns the steps that took the kernels' path."""
+    engine = make_engine(loaded, tmp, kv_budget_mb=128)
+    engine.shutdown()  # drive the runner on this thread
+    runner, pool, cache = engine.runner, engine.pool, engine.runner.cache
+    lean = runner.lean
+    assert isinstance(lean, LeanLlama) and lean.q4_rows >= 4
+    taken = []
+    direct = lean._decode_q4
+    lean._decode_q4 = lambda *a: taken.append(1) or direct(*a)
+    rng = random.Random(seed)
+    seqs = []
+    with torch.inference_mode():
+        for _ in range(6):
+            n = rng.randint(1, 300)
+            s = Sequence([rng.randrange(100, 20000) for _ in range(n)], SamplingParams())
+            s.block_table = pool.allocate(pool.blocks_for(n + 40))
+            runner.forward(StepPlan(prefills=[(s, n)]))
+            s.num_computed = n
+            s.token_ids.append(rng.randrange(100, 20000))
+            seqs.append(s)
+        for _ in range(10):
+            plan = StepPlan(decodes=rng.sample(seqs, rng.randint(1, 4)))
+            bs = cache.block_size
+            at = [s.num_computed for s in plan.decodes]
+            slots = torch.tensor(
+                [
+                    s.block_table[p // bs] * bs + p % bs
+                    for s, p in zip(plan.decodes, at, strict=True)
+                ]
+            )
+            written = []
+            for forward_with in (lean, None):
+                for kv in (*cache.k, *cache.v):
+                    kv[:, slots] = float("nan")
+                runner.lean = forward_with
+                try:
+                    logits = runner.forward(plan)
+                finally:
+                    runner.lean = lean
+                written.append((logits, [kv[:, slots].clone() for kv in (*cache.k, *cache.v)]))
+            (fast, fast_kv), (slow, slow_kv) = written
+            assert torch.equal(fast, slow), (fast - slow).abs().max()
+            assert all(torch.equal(a, b) for a, b in zip(fast_kv, slow_kv, strict=True))
+            for s in plan.decodes:
+                s.num_computed += 1
+                s.token_ids.append(rng.randrange(100, 20000))
+    for s in seqs:
+        pool.free(s.block_table)
+    return len(taken)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_few_row_decodes_on_the_cpu_kernels_equal_transformers_bitwise(
+    nf4_fp32_model: LoadedModel, tmp_path: Path, seed: int
+) -> None:
+    if not cpu_kernels.load():
+        pytest.skip("crowdchat's CPU kernels cannot be built here")
+    assert run_in_fresh_thread(lambda: _decodes_both_ways(nf4_fp32_model, tmp_path, seed)) == 10
