@@ -13,7 +13,7 @@
   float32 (engine.cpu_quant): PyTorch's int4 kernel widens bfloat16 activations group by group
   on CPUs without native bfloat16; this one widens each group's weights once for up to 4 rows.
 - `rope_store` (`csrc/rope_store.cpp`) and `rms_norm` (`csrc/rms_norm.cpp`): the glue of a
-  decode step of few rows (engine.lean_llama `_decode_q4`, engine.lean_norm), one call each
+  decode step (engine.lean_llama `_decodes`, engine.lean_norm), one call each
   where Python made ~20 and ~10 ATen calls, computing bitwise the same values.
 
 They are built with PyTorch's own extension builder (a C++ compiler and ninja; ~40 s on 2

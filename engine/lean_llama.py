@@ -32,8 +32,6 @@ from engine.lean_norm import rms_norm
 
 ARCHITECTURES = {"LlamaForCausalLM"}
 Projections = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
-# one linear's 4-bit weights as `torch.ops.crowdchat.q4_linear` takes them: (packed, scales_zeros)
-Q4Weights = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -45,9 +43,9 @@ class Layer:
     norm2: nn.Module
     gate_up: Projections
     down: nn.Module
-    # q/k/v, o, gate/up and down on crowdchat's 4-bit kernel (engine.cpu_quant `own`), for the
-    # decode path of few rows; None where a projection is not
-    q4: tuple[Q4Weights, Q4Weights, Q4Weights, Q4Weights] | None
+    # q/k/v (fused), o, gate/up (fused) and down on crowdchat's 4-bit kernel (engine.cpu_quant
+    # `own`), for `_decodes`; None where one of them is not
+    q4: tuple[Int4Linear, Int4Linear, Int4Linear, Int4Linear] | None
 
 
 def _projections(linears: list[nn.Module]) -> Projections:
@@ -69,19 +67,17 @@ def _q4_linear(m: nn.Module, fused: bool) -> Int4Linear | None:
     return m if isinstance(m, Int4Linear) and m.own else None
 
 
-def _q4_weights(layer: nn.Module) -> tuple[Q4Weights, ...] | None:
-    """q/k/v, o, gate/up and down's weights in crowdchat's 4-bit layout, or None where one of
-    them is not on that kernel (or q/k/v or gate/up are not one fused matrix)."""
+def _q4_linears(layer: nn.Module) -> tuple[Int4Linear, ...] | None:
+    """q/k/v, o, gate/up and down where all four run on crowdchat's 4-bit kernel, q/k/v and
+    gate/up each one fused matrix; else None."""
     attn, mlp = layer.self_attn, layer.mlp
-    linears = [
+    linears = (
         _q4_linear(attn.q_proj, fused=True),
         _q4_linear(attn.o_proj, fused=False),
         _q4_linear(mlp.gate_proj, fused=True),
         _q4_linear(mlp.down_proj, fused=False),
-    ]
-    if any(m is None for m in linears):
-        return None
-    return tuple((m.packed, m.scales_zeros) for m in linears)
+    )
+    return None if any(m is None for m in linears) else linears
 
 
 class LeanLlama:
@@ -109,16 +105,20 @@ class LeanLlama:
                 norm2=layer.post_attention_layernorm,
                 gate_up=_projections([layer.mlp.gate_proj, layer.mlp.up_proj]),
                 down=layer.mlp.down_proj,
-                q4=_q4_weights(layer),
+                q4=_q4_linears(layer),
             )
             for layer in inner.layers[: cfg.num_hidden_layers]  # as transformers runs them
         ]
-        # steps of up to this many decode rows take `_decode_q4` (0: none do): every layer's
-        # projections on crowdchat's 4-bit kernel, up to the rows where their dense copies run
+        # steps of decodes only take `_decodes` where every layer's projections are on the
+        # 4-bit kernel: up to `q4_rows` rows on the kernel itself, more (with `fp16_above`) on
+        # their float16 dense copies (FBGEMM computes each column the same whatever the
+        # matrix's width, so q/k/v and gate/up stay one call each, bitwise as split)
+        own = [m for layer in self.layers for m in layer.q4 or ()]
         self.q4_rows = 0
+        self.fp16_above = False
         if self.layers and all(layer.q4 is not None for layer in self.layers):
-            own = [m for m in model.modules() if isinstance(m, Int4Linear) and m.own]
             self.q4_rows = min(m.dense_rows if m.dense is not None else 1 << 30 for m in own)
+            self.fp16_above = all(m.dense is not None and m.dense.packed is not None for m in own)
 
     def forward(
         self,
@@ -131,12 +131,12 @@ class LeanLlama:
         cos, sin = self.rotary(h, positions)  # [1, T, D] each
         t = ids.shape[1]
         if (
-            t <= self.q4_rows
+            (t <= self.q4_rows or self.fp16_above)
             and meta.decode_kernel is not None
             and not meta.prefills
             and h.dtype == torch.float32
         ):
-            h = self._decode_q4(h[0], cos[0], sin[0], meta)
+            h = self._decodes(h[0], cos[0], sin[0], meta)
             return self.lm_head(rms_norm(self.final_norm, h)[logit_rows])
         nq, nkv, d = self.heads, self.kv_heads, self.head_dim
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]: broadcast over heads
@@ -159,35 +159,45 @@ class LeanLlama:
         h = rms_norm(self.final_norm, h)
         return self.lm_head(h[:, logit_rows])[0]
 
-    def _decode_q4(
+    def _decodes(
         self,
         h: torch.Tensor,  # [T, C]
         cos: torch.Tensor,  # [T, D]
         sin: torch.Tensor,
         meta: StepMetadata,
     ) -> torch.Tensor:  # [T, C]
-        """A step of decodes only, few rows, float32, on crowdchat's CPU kernels: each layer in
-        ~14 Python calls instead of ~50. The same ops on the same values as `forward`'s loop
-        (RoPE and the K/V write as `crowdchat::rope_store` computes them, bitwise as in Python),
-        so the logits are bitwise the same (tests/test_lean_llama.py); what goes is the calls'
-        overhead: at one row most of a step's time beside the weights' kernel."""
+        """A step of decodes only, float32, on crowdchat's CPU kernels: each layer in ~14
+        Python calls instead of ~50. The same ops on the same values as `forward`'s loop (RoPE
+        and the K/V write as `crowdchat::rope_store` computes them, bitwise as in Python), so
+        the logits and the K/V are bitwise the same (tests/test_lean_llama.py); what goes is
+        the calls' overhead, at few rows most of a step's time beside the weights' kernel."""
         ops = torch.ops.crowdchat
-        q4, rope_store = ops.q4_linear.default, ops.rope_store.default
-        attend = ops.paged_decode_attention.default
+        rope_store, attend = ops.rope_store.default, ops.paged_decode_attention.default
         (group,) = meta.decode_groups  # the CPU kernel takes all decodes as one group
         t, nq, nkv, bs = h.shape[0], self.heads, self.kv_heads, meta.block_size
+        if t <= self.q4_rows:
+            q4 = ops.q4_linear.default
+
+            def project(m: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+                return q4(x, m.packed, m.scales_zeros)
+
+        else:
+
+            def project(m: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+                return m.dense(x)[0]  # the whole output, rounded as the kernel rounds
+
         cos, sin = cos.contiguous(), sin.contiguous()
         for layer in self.layers:
             qkv, o_proj, gate_up, down = layer.q4
             kc, vc = meta.k_cache[layer.attn.layer_idx], meta.v_cache[layer.attn.layer_idx]
             x = rms_norm(layer.norm1, h)
-            q = rope_store(q4(x, *qkv), cos, sin, kc, vc, meta.slot_mapping, nq, nkv)
+            q = rope_store(project(qkv, x), cos, sin, kc, vc, meta.slot_mapping, nq, nkv)
             o = attend(q, kc, vc, group.blocks, group.lens, bs, layer.attn.scaling)
-            h = h + q4(o.view(t, -1), *o_proj)
+            h = h + project(o_proj, o.view(t, -1))
             x = rms_norm(layer.norm2, h)
-            gu = q4(x, *gate_up)
+            gu = project(gate_up, x)
             half = gu.shape[1] // 2
-            h = h + q4(F.silu(gu[:, :half]) * gu[:, half:], *down)
+            h = h + project(down, F.silu(gu[:, :half]) * gu[:, half:])
         return h
 
 

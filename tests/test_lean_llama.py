@@ -125,21 +125,22 @@ def nf4_fp32_model(nf4_model: LoadedModel, model_dir: Path) -> LoadedModel:
 
 
 def _decodes_both_ways(loaded: LoadedModel, tmp: Path, seed: int) -> int:
-    """Steps of 1-4 decode rows (the lean forward's path on crowdchat's CPU kernels) at random
-    context lengths, run through both forwards: their logits and the K/V they write must be
-    equal bitwise. Returns the steps that took the kernels' path."""
+    """Steps of 1-10 decode rows (the lean forward's path on crowdchat's CPU kernels: the 4-bit
+    kernel up to 4 rows, the float16 dense copies above) at random context lengths, run through
+    both forwards: their logits and the K/V they write must be equal bitwise. Returns the steps
+    that took the kernels' path."""
     engine = make_engine(loaded, tmp, kv_budget_mb=128)
     engine.shutdown()  # drive the runner on this thread
     runner, pool, cache = engine.runner, engine.pool, engine.runner.cache
     lean = runner.lean
     assert isinstance(lean, LeanLlama) and lean.q4_rows >= 4
     taken = []
-    direct = lean._decode_q4
-    lean._decode_q4 = lambda *a: taken.append(1) or direct(*a)
+    direct = lean._decodes
+    lean._decodes = lambda *a: taken.append(1) or direct(*a)
     rng = random.Random(seed)
     seqs = []
     with torch.inference_mode():
-        for _ in range(6):
+        for _ in range(10):
             n = rng.randint(1, 300)
             s = Sequence([rng.randrange(100, 20000) for _ in range(n)], SamplingParams())
             s.block_table = pool.allocate(pool.blocks_for(n + 40))
@@ -147,8 +148,8 @@ def _decodes_both_ways(loaded: LoadedModel, tmp: Path, seed: int) -> int:
             s.num_computed = n
             s.token_ids.append(rng.randrange(100, 20000))
             seqs.append(s)
-        for _ in range(10):
-            plan = StepPlan(decodes=rng.sample(seqs, rng.randint(1, 4)))
+        for rows in rng.sample(range(1, 11), 10):
+            plan = StepPlan(decodes=rng.sample(seqs, rows))
             bs = cache.block_size
             at = [s.num_computed for s in plan.decodes]
             slots = torch.tensor(
@@ -179,7 +180,7 @@ def _decodes_both_ways(loaded: LoadedModel, tmp: Path, seed: int) -> int:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_few_row_decodes_on_the_cpu_kernels_equal_transformers_bitwise(
+def test_decodes_on_the_cpu_kernels_equal_transformers_bitwise(
     nf4_fp32_model: LoadedModel, tmp_path: Path, seed: int
 ) -> None:
     if not cpu_kernels.load():
