@@ -42,6 +42,9 @@ MODES = {
     # the same without issue 9's cuts (q/k/v and gate/up fused, one-op RMSNorm): before/after
     # in one run
     "torch_int4_unfused": {"quant": "nf4", "unfused": True},
+    # decode steps through engine.lean_llama's general loop, not `_decodes` on crowdchat's glue
+    # kernels (RoPE + K/V write, attention, projections called straight)
+    "int4_layer_loop": {"quant": "nf4", "loop": True},
     # the default path through transformers' Llama code instead of engine.lean_llama
     "torch_int4_transformers_forward": {"quant": "nf4", "hf": True},
     "torch_int4_packed_only": {"quant": "nf4", "cpu_dense_above": 0},
@@ -59,7 +62,7 @@ def cpu_name() -> str:
 
 
 def load(mode: dict, data_dir: Path) -> Engine:
-    flags = ("bnb", "unfused", "hf", "no_fp16", "torch_q4")
+    flags = ("bnb", "unfused", "hf", "no_fp16", "torch_q4", "loop")
     settings = {k: v for k, v in mode.items() if k not in flags}
     config = EngineConfig(data_dir=data_dir, kv_budget_mb=256, **settings)  # type: ignore[arg-type]
     available, fp16, fuse, norms, q4 = (
@@ -89,6 +92,9 @@ def load(mode: dict, data_dir: Path) -> Engine:
     engine.shutdown()  # drive the runner on this thread
     if mode.get("hf"):
         engine.runner.lean = None  # type: ignore[attr-defined]
+    if mode.get("loop"):
+        engine.runner.lean.q4_rows = 0  # type: ignore[attr-defined]
+        engine.runner.lean.fp16_above = False  # type: ignore[attr-defined]
     return engine
 
 
@@ -178,6 +184,7 @@ def main() -> None:
         "issue9": "torch_int4_unfused",
         "fp16_dense": "torch_int4_dense_above_16",
         "lean_forward": "torch_int4_transformers_forward",
+        "decode_path": "int4_layer_loop",
     }
     for label, mode in befores.items():
         before = result.get(mode)

@@ -38,6 +38,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
+HEADERS = sorted(Path(__file__).with_name("csrc").glob("*.h"))
 NAME = "crowdchat_cpu_kernels"
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -57,7 +58,7 @@ def build_dir() -> Path:
     except OSError:
         pass
     what = f"{cpu}|{torch.__version__}|{FLAGS}|".encode()
-    what += b"".join(p.name.encode() + p.read_bytes() for p in SOURCES)
+    what += b"".join(p.name.encode() + p.read_bytes() for p in SOURCES + HEADERS)
     key = hashlib.sha256(what).hexdigest()[:12]
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return base / "crowdchat" / "kernels" / key

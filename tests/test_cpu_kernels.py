@@ -1,7 +1,9 @@
 """The CPU decode attention kernel (engine/csrc/paged_decode.cpp) against attention computed in
 float64 from the same blocks: seeded random shapes, pool dtypes, block tables and lengths
 (chunk edges included); a sequence's output does not depend on the rest of its batch; bad
-tables and lengths raise instead of reading outside the pool."""
+tables and lengths raise instead of reading outside the pool. Then the decode step's glue ops:
+`rope_store` bitwise Python's RoPE and pool write, and bad inputs refused (the whole layer's
+bitwise equality is tests/test_lean_llama.py's)."""
 
 from __future__ import annotations
 
@@ -103,3 +105,51 @@ def test_bad_tables_lengths_and_shapes_raise_instead_of_reading_outside_the_pool
         with pytest.raises(RuntimeError, match=message.strip()):
             run(kernel, case)
     assert (run(kernel, c).double() - reference(c)).abs().max() < 2e-5  # still fine after
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rope_store_equals_rope_and_index_copy_in_python_bitwise(kernel, seed: int) -> None:
+    """`crowdchat::rope_store` against transformers' RoPE (`x * cos + rotate_half(x) * sin`)
+    and the pool write as engine.attention does it, on seeded shapes and pool dtypes."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    for _ in range(5):
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+        hkv, group, d = rng.choice([1, 2, 3]), rng.choice([1, 3, 4]), rng.choice([32, 64, 128])
+        t, slots_n = rng.randint(1, 9), 64
+        h = hkv * group
+        qkv = torch.randn(t, (h + 2 * hkv) * d, generator=gen) * rng.choice([0.01, 1.0, 30.0])
+        angles = torch.rand(t, d // 2, generator=gen) * 100
+        cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+        slots = torch.randperm(slots_n, generator=gen)[:t]
+        kc, vc = (torch.zeros(hkv, slots_n, d, dtype=dtype) for _ in range(2))
+        q = torch.ops.crowdchat.rope_store(qkv, cos, sin, kc, vc, slots, h, hkv)
+        qk = qkv[:, : (h + hkv) * d].view(t, h + hkv, d)
+        qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]
+        ref_k, ref_v = torch.zeros_like(kc), torch.zeros_like(vc)
+        ref_k.index_copy_(1, slots, qk[:, h:].transpose(0, 1).to(dtype))
+        ref_v.index_copy_(
+            1, slots, qkv[:, (h + hkv) * d :].view(t, hkv, d).transpose(0, 1).to(dtype)
+        )
+        assert torch.equal(q, qk[:, :h])
+        assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+        with pytest.raises(RuntimeError, match="slot out of range"):
+            bad = slots.clone()
+            bad[-1] = slots_n
+            torch.ops.crowdchat.rope_store(qkv, cos, sin, kc, vc, bad, h, hkv)
+        with pytest.raises(RuntimeError, match="qkv"):
+            torch.ops.crowdchat.rope_store(qkv[:, 1:], cos, sin, kc, vc, slots, h, hkv)
+
+
+def test_the_layer_and_norm_ops_refuse_bad_inputs(kernel) -> None:
+    x, w = torch.randn(2, 64), torch.ones(64)
+    with pytest.raises(RuntimeError, match="weight"):
+        torch.ops.crowdchat.rms_norm(x, torch.ones(63), 1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.crowdchat.rms_norm(x.double(), w, 1e-5)
+    empty = torch.empty(0)
+    with pytest.raises(RuntimeError, match="10 tensors"):
+        torch.ops.crowdchat.decode_layer(
+            x, [w], 1e-5, x, x, empty, empty, empty, empty, empty, 16, 1.0, 1, 1
+        )

@@ -11,6 +11,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -201,6 +203,10 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   }
 }
 
+}  // namespace
+
+namespace crowdchat {
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_table,
                                   const at::Tensor& context_lens, int64_t block_size,
@@ -247,7 +253,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-}  // namespace
+}  // namespace crowdchat
 
 TORCH_LIBRARY(crowdchat, m) {
   m.def(
@@ -256,5 +262,5 @@ TORCH_LIBRARY(crowdchat, m) {
 }
 
 TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention", &crowdchat::paged_decode_attention);
 }

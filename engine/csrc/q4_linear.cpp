@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <immintrin.h>
 
 #include <cstring>
@@ -105,6 +107,10 @@ void rows_block(const uint8_t* packed, const uint16_t* scales_zeros, const float
   }
 }
 
+}  // namespace
+
+namespace crowdchat {
+
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
                      const at::Tensor& scales_zeros) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: float32 [M, K]");
@@ -150,12 +156,12 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
   return y;
 }
 
-}  // namespace
+}  // namespace crowdchat
 
 TORCH_LIBRARY_FRAGMENT(crowdchat, m) {
   m.def("q4_linear(Tensor x, Tensor packed, Tensor scales_zeros) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
-  m.impl("q4_linear", &q4_linear);
+  m.impl("q4_linear", &crowdchat::q4_linear);
 }

@@ -12,9 +12,11 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <cmath>
 
-namespace {
+namespace crowdchat {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -49,12 +51,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-}  // namespace
+}  // namespace crowdchat
 
 TORCH_LIBRARY_FRAGMENT(crowdchat, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
+  m.impl("rms_norm", &crowdchat::rms_norm);
 }

@@ -15,6 +15,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 namespace {
 
 // out[i] = x[i] * c[i] + rotate_half(x)[i] * s[i] for one head of `d` values
@@ -63,6 +65,10 @@ void store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
   }
 }
 
+}  // namespace
+
+namespace crowdchat {
+
 // qkv [T, (H + 2 H_kv) D] float32 (q, k, v side by side, as the fused projection gives them);
 // cos, sin [T, D] float32; k_cache, v_cache [H_kv, slots, D]; slots [T] int64. Writes each
 // token's roped key and its value at its slot; returns the roped queries [T, H, D].
@@ -106,7 +112,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
-}  // namespace
+}  // namespace crowdchat
 
 TORCH_LIBRARY_FRAGMENT(crowdchat, m) {
   m.def(
@@ -115,5 +121,5 @@ TORCH_LIBRARY_FRAGMENT(crowdchat, m) {
 }
 
 TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
-  m.impl("rope_store", &rope_store);
+  m.impl("rope_store", &crowdchat::rope_store);
 }

@@ -1,0 +1,77 @@
+// One decoder layer of a decode step on the 4-bit kernel, in one call (engine/lean_llama.py
+// `_decodes`, up to 4 rows where compute is float32).
+//
+// From Python the layer was ~14 calls (two norms, four projections, RoPE with the K/V write,
+// attention, two residual adds, SiLU and its product, slicing), each with its Python and its
+// turn at the GIL: at one row that overhead was a fifth of the step on the 2-core EPYC. Here the
+// same kernels are called as C++ functions (csrc/kernels.h), SiLU by ATen as in Python, and the
+// residual adds and the gate's product are plain float32 operations, each rounded as ATen rounds
+// them: the layer's output, the keys and the values are bitwise those of the Python loop
+// (tests/test_lean_llama.py).
+#pragma GCC optimize("fp-contract=off")
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+namespace {
+
+// a + b for contiguous float32 tensors of one shape
+at::Tensor plus(const at::Tensor& a, const at::Tensor& b) {
+  auto out = at::empty_like(a);
+  const float* ap = a.data_ptr<float>();
+  const float* bp = b.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < a.numel(); ++i) op[i] = ap[i] + bp[i];
+  return out;
+}
+
+}  // namespace
+
+namespace crowdchat {
+
+// h [T, C] float32; weights: the first norm's weight, q/k/v's (fused) packed and scales_zeros,
+// o's, the second norm's weight, gate/up's (fused), down's; the rest as rope_store and
+// paged_decode_attention take them. Returns the layer's output [T, C].
+at::Tensor decode_layer(const at::Tensor& h, at::TensorList weights, double eps,
+                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                        at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& blocks,
+                        const at::Tensor& lens, int64_t block_size, double scale, int64_t heads,
+                        int64_t kv_heads) {
+  TORCH_CHECK(weights.size() == 10, "weights: 10 tensors");
+  TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(),
+              "h: contiguous float32 [T, C]");
+  const auto& w = weights;
+  const int64_t t = h.size(0);
+  auto x = rms_norm(h, w[0], eps);
+  const auto q = rope_store(q4_linear(x, w[1], w[2]), cos, sin, k_cache, v_cache, slots, heads,
+                            kv_heads);
+  const auto o = paged_decode_attention(q, k_cache, v_cache, blocks, lens, block_size, scale);
+  const auto attended = plus(h, q4_linear(o.view({t, -1}), w[3], w[4]));
+  x = rms_norm(attended, w[5], eps);
+  const auto gate_up = q4_linear(x, w[6], w[7]);  // [T, 2 I]: gate's outputs, then up's
+  const int64_t inner = gate_up.size(1) / 2;
+  const auto act = at::silu(gate_up.narrow(1, 0, inner)).contiguous();
+  auto product = at::empty({t, inner}, h.options());
+  const float* ap = act.data_ptr<float>();
+  const float* gp = gate_up.data_ptr<float>();
+  float* pp = product.data_ptr<float>();
+  for (int64_t r = 0; r < t; ++r)
+    for (int64_t i = 0; i < inner; ++i)
+      pp[r * inner + i] = ap[r * inner + i] * gp[r * 2 * inner + inner + i];
+  return plus(attended, q4_linear(product, w[8], w[9]));
+}
+
+}  // namespace crowdchat
+
+TORCH_LIBRARY_FRAGMENT(crowdchat, m) {
+  m.def(
+      "decode_layer(Tensor h, Tensor[] weights, float eps, Tensor cos, Tensor sin, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor blocks, Tensor lens, "
+      "int block_size, float scale, int heads, int kv_heads) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
+  m.impl("decode_layer", &crowdchat::decode_layer);
+}

@@ -1,0 +1,27 @@
+// crowdchat's CPU kernels as C++ functions (each registered as `torch.ops.crowdchat.<name>` in
+// its own file), for the ops that call others without the dispatcher (decode_layer.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace crowdchat {
+
+// csrc/paged_decode.cpp: q [B, H, D] float32 against each row's blocks of the pool -> [B, H, D]
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_table,
+                                  const at::Tensor& context_lens, int64_t block_size,
+                                  double scale);
+
+// csrc/q4_linear.cpp: x [M, K] float32 times the 4-bit weights' transpose -> [M, N]
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
+                     const at::Tensor& scales_zeros);
+
+// csrc/rms_norm.cpp: float32 RMSNorm of the last dimension, as transformers' Llama computes it
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// csrc/rope_store.cpp: RoPE on the fused q/k/v output, K/V into the pool -> roped q [T, H, D]
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
+                      int64_t heads, int64_t kv_heads);
+
+}  // namespace crowdchat
