@@ -16,10 +16,11 @@ model's own rotary module, so its scaled variants (Llama 3's) are computed as tr
 
 A step of decodes only, where compute is float32 on the CPU with crowdchat's kernels built and
 the projections on its 4-bit kernel (the CPU default without native bf16), goes further
-(`_decodes`): the fused q/k/v output straight into one `crowdchat::rope_store` call (RoPE on q
-and k, the new K/V into the pool), the paged attention op, the projections called straight on
-their kernel (or, above 4 rows, their float16 dense copies): ~14 Python calls a layer instead of
-~50, the same values bitwise, 1.36x faster at one row and 1.15x at eight (README).
+(`_decodes`): up to 4 rows each layer is one `crowdchat::decode_layer` call, which runs the
+kernels from C++; above, the fused q/k/v output goes straight into one `crowdchat::rope_store`
+call (RoPE on q and k, the new K/V into the pool), then the paged attention op and the
+projections' float16 dense copies: ~14 Python calls a layer instead of ~50. The same values
+bitwise, and 1.6x faster at one row, 1.15x at eight (README "A decode step on the kernels").
 """
 
 from __future__ import annotations
