@@ -13,10 +13,11 @@
   float32 (engine.cpu_quant): PyTorch's int4 kernel widens bfloat16 activations group by group
   on CPUs without native bfloat16; this one widens each group's weights once for up to 4 rows.
 - `rope_store` (`csrc/rope_store.cpp`) and `rms_norm` (`csrc/rms_norm.cpp`): the glue of a
-  decode step (engine.lean_llama `_decodes`, engine.lean_norm), one call each
-  where Python made ~20 and ~10 ATen calls, computing bitwise the same values.
+  decode step (engine.lean_llama `_decodes`, engine.lean_norm), one call each where Python made
+  ~20 and ~10 ATen calls, computing bitwise the same values; `decode_layer`
+  (`csrc/decode_layer.cpp`): a whole layer of a few-row decode step over these, from C++.
 
-They are built with PyTorch's own extension builder (a C++ compiler and ninja; ~40 s on 2
+They are built with PyTorch's own extension builder (a C++ compiler and ninja; ~1 minute on 2
 cores) into `~/.cache/crowdchat/kernels/`, `-march=native` for the CPU they run on; `make`
 builds them first (`python engine/cpu_kernels.py`, which imports no more than torch). Where
 they cannot be built, decode attention gathers and the 4-bit weights run on PyTorch's kernel,

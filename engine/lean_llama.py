@@ -153,6 +153,7 @@ class LeanLlama:
         if (
             (t <= self.q4_rows or self.fp16_above)
             and meta.decode_kernel is not None
+            and meta.decode_groups
             and not meta.prefills
             and h.dtype == torch.float32
         ):
