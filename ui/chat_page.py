@@ -95,13 +95,16 @@ class ChatPage:
         """Outputs: sid, chatbot, status, system prompt box. A reply still streaming in the
         conversation comes back on screen at its next delta (see _stream)."""
         owner = self.owner(request)
-        screen.sid = None
         if not sid:
+            screen.sid = None
             return None, [], "", ""
         try:
             history, system = self.opened(owner, sid)
         except CrowdchatError as e:
+            screen.sid = None
             return None, [], f"Error: {e}", ""
+        # from here a reply streaming elsewhere stops painting, and repaints this conversation
+        # once in case its last delta reaches the browser after this (see _stream)
         screen.sid = sid
         return sid, history, "", system
 
@@ -255,9 +258,23 @@ class ChatPage:
         choices = gr.update(choices=self.choices(owner), value=sid)
         events = RelayThread(turn, "crowdchat-page-reply")
 
+        on_screen = [True]
+
         def paint(status: str, box: object = None, convos: object = None) -> tuple:
             if screen.sid != sid:
-                return (gr.skip(),) * 6
+                if not on_screen[0]:
+                    return (gr.skip(),) * 6
+                # the user just opened another conversation (or a new one): a delta painted
+                # before that can reach the browser after the page showed it, over it. Once,
+                # paint what is on screen now: this generator's yields arrive in order.
+                on_screen[0] = False
+                now = screen.sid
+                try:
+                    shown = to_chatbot(self.sm.messages(owner, now)) if now else []
+                except CrowdchatError:  # deleted meanwhile: the page's own event shows that
+                    return (gr.skip(),) * 6
+                return (shown, gr.skip(), gr.skip(), now, gr.skip(), gr.skip())
+            on_screen[0] = True
             return (
                 history,
                 status,
