@@ -93,8 +93,7 @@ def load(mode: dict, data_dir: Path) -> Engine:
     if mode.get("hf"):
         engine.runner.lean = None  # type: ignore[attr-defined]
     if mode.get("loop"):
-        engine.runner.lean.q4_rows = 0  # type: ignore[attr-defined]
-        engine.runner.lean.fp16_above = False  # type: ignore[attr-defined]
+        engine.runner.lean.kernel_decodes = False  # type: ignore[attr-defined]
     return engine
 
 

@@ -128,17 +128,21 @@ class LeanLlama:
             self.q4_rows = min(m.dense_rows if m.dense is not None else 1 << 30 for m in own)
             self.fp16_above = all(m.dense is not None and m.dense.packed is not None for m in own)
         # up to `q4_rows` rows, each layer is one `crowdchat::decode_layer` call: its weights
+        # (the op takes one eps: where the norms' differ, only the float16 path is taken)
         norms = [n for layer in self.layers for n in (layer.norm1, layer.norm2)]
         self.eps = norms[0].variance_epsilon if norms else 0.0
+        if any(n.variance_epsilon != self.eps for n in norms):
+            self.q4_rows = 0
         self.layer_weights: list[list[torch.Tensor]] = []
-        if self.q4_rows and all(n.variance_epsilon == self.eps for n in norms):
-            for layer in self.layers:
-                qkv, o_proj, gate_up, down = layer.q4
-                self.layer_weights.append(
-                    [layer.norm1.weight, qkv.packed, qkv.scales_zeros, o_proj.packed]
-                    + [o_proj.scales_zeros, layer.norm2.weight, gate_up.packed]
-                    + [gate_up.scales_zeros, down.packed, down.scales_zeros]
-                )
+        for layer in self.layers if self.q4_rows else ():
+            qkv, o_proj, gate_up, down = layer.q4
+            self.layer_weights.append(
+                [layer.norm1.weight, qkv.packed, qkv.scales_zeros, o_proj.packed]
+                + [o_proj.scales_zeros, layer.norm2.weight, gate_up.packed]
+                + [gate_up.scales_zeros, down.packed, down.scales_zeros]
+            )
+        # False: every step takes `forward`'s general loop (benchmarks and tests compare them)
+        self.kernel_decodes = bool(self.q4_rows) or self.fp16_above
 
     def forward(
         self,
@@ -151,7 +155,8 @@ class LeanLlama:
         cos, sin = self.rotary(h, positions)  # [1, T, D] each
         t = ids.shape[1]
         if (
-            (t <= self.q4_rows or self.fp16_above)
+            self.kernel_decodes
+            and (t <= self.q4_rows or self.fp16_above)
             and meta.decode_kernel is not None
             and meta.decode_groups
             and not meta.prefills
@@ -200,7 +205,7 @@ class LeanLlama:
         (group,) = meta.decode_groups  # the CPU kernel takes all decodes as one group
         t, nq, nkv, bs = h.shape[0], self.heads, self.kv_heads, meta.block_size
         cos, sin = cos.contiguous(), sin.contiguous()
-        if t <= self.q4_rows and self.layer_weights and h.is_contiguous():
+        if t <= self.q4_rows:
             layer_op, slots = ops.decode_layer.default, meta.slot_mapping
             for layer, weights in zip(self.layers, self.layer_weights, strict=True):
                 i, scale = layer.attn.layer_idx, layer.attn.scaling
@@ -209,16 +214,9 @@ class LeanLlama:
                     group.blocks, group.lens, bs, scale, nq, nkv,
                 )  # fmt: skip
             return h
-        if t <= self.q4_rows:
-            q4 = ops.q4_linear.default
 
-            def project(m: Int4Linear, x: torch.Tensor) -> torch.Tensor:
-                return q4(x, m.packed, m.scales_zeros)
-
-        else:
-
-            def project(m: Int4Linear, x: torch.Tensor) -> torch.Tensor:
-                return m.dense(x)[0]  # the whole output, rounded as the kernel rounds
+        def project(m: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+            return m.dense(x)[0]  # the whole output, rounded as the kernel rounds
 
         for layer in self.layers:
             qkv, o_proj, gate_up, down = layer.q4

@@ -65,8 +65,7 @@ def test_values_reach_the_pool_exactly(
     monkeypatch.setattr(lean_llama, "paged_attention", watch)
     # decodes through `forward`'s loop, where paged attention sees the values (the kernels'
     # decode path writes bitwise the same K/V: tests/test_lean_llama.py)
-    monkeypatch.setattr(nf4_engine.runner.lean, "q4_rows", 0)
-    monkeypatch.setattr(nf4_engine.runner.lean, "fp16_above", False)
+    monkeypatch.setattr(nf4_engine.runner.lean, "kernel_decodes", False)
     ids = formatter.encode([{"role": "user", "content": "Name three colours."}])
     h = nf4_engine.submit(ids, SamplingParams(temperature=0, max_new_tokens=4))
     list(h)

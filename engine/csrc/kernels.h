@@ -6,6 +6,29 @@
 
 namespace crowdchat {
 
+// The KV pool of one layer, as rope_store writes it and paged_decode_attention reads it
+inline void check_pool(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache, v_cache: contiguous [H_kv, slots, D], one dtype");
+}
+
+// f(T{}) with T the pool's element type: float, c10::BFloat16 or c10::Half
+template <class F>
+void with_pool_type(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat:
+      return f(float{});
+    case at::kBFloat16:
+      return f(c10::BFloat16{});
+    case at::kHalf:
+      return f(c10::Half{});
+    default:
+      TORCH_CHECK(false, "KV pool dtype must be float32, bfloat16 or float16");
+  }
+}
+
 // csrc/paged_decode.cpp: q [B, H, D] float32 against each row's blocks of the pool -> [B, H, D]
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_table,

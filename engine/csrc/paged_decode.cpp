@@ -213,10 +213,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q: contiguous float32 [B, H, D]");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "k_cache, v_cache: contiguous [H_kv, slots, D], one dtype");
+  check_pool(k_cache, v_cache);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), HKV = k_cache.size(0);
   TORCH_CHECK(k_cache.size(2) == D && D <= kMaxDim && H % HKV == 0, "head shapes differ");
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == B &&
@@ -237,19 +234,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       TORCH_CHECK(tp[b * NB + j] >= 0 && tp[b * NB + j] < pool_blocks, "block id out of range");
   }
   auto out = at::empty({B, H, D}, q.options());
-  switch (k_cache.scalar_type()) {
-    case at::kFloat:
-      run<float>(q, k_cache, v_cache, block_table, lens, block_size, scale, out);
-      break;
-    case at::kBFloat16:
-      run<c10::BFloat16>(q, k_cache, v_cache, block_table, lens, block_size, scale, out);
-      break;
-    case at::kHalf:
-      run<c10::Half>(q, k_cache, v_cache, block_table, lens, block_size, scale, out);
-      break;
-    default:
-      TORCH_CHECK(false, "KV pool dtype must be float32, bfloat16 or float16");
-  }
+  with_pool_type(k_cache.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    run<T>(q, k_cache, v_cache, block_table, lens, block_size, scale, out);
+  });
   return out;
 }
 

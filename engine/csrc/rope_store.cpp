@@ -75,10 +75,7 @@ namespace crowdchat {
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                       at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots,
                       int64_t heads, int64_t kv_heads) {
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "k_cache, v_cache: contiguous [H_kv, slots, D], one dtype");
+  check_pool(k_cache, v_cache);
   const int64_t d = k_cache.size(2), t = qkv.size(0);
   TORCH_CHECK(heads > 0 && kv_heads == k_cache.size(0) && d % 2 == 0 && d <= 256,
               "head shapes differ");
@@ -96,19 +93,10 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   for (int64_t r = 0; r < t; ++r)
     TORCH_CHECK(sl[r] >= 0 && sl[r] < k_cache.size(1), "slot out of range");
   auto q = at::empty({t, heads, d}, qkv.options());
-  switch (k_cache.scalar_type()) {
-    case at::kFloat:
-      store<float>(qkv, cos, sin, k_cache, v_cache, sl, heads, kv_heads, q);
-      break;
-    case at::kBFloat16:
-      store<c10::BFloat16>(qkv, cos, sin, k_cache, v_cache, sl, heads, kv_heads, q);
-      break;
-    case at::kHalf:
-      store<c10::Half>(qkv, cos, sin, k_cache, v_cache, sl, heads, kv_heads, q);
-      break;
-    default:
-      TORCH_CHECK(false, "KV pool dtype must be float32, bfloat16 or float16");
-  }
+  with_pool_type(k_cache.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    store<T>(qkv, cos, sin, k_cache, v_cache, sl, heads, kv_heads, q);
+  });
   return q;
 }
 
