@@ -50,6 +50,9 @@ MODES = {
     "torch_int4_packed_only": {"quant": "nf4", "cpu_dense_above": 0},
     "bitsandbytes_nf4": {"quant": "nf4", "bnb": True},
     "dense": {"quant": "none"},
+    # float32 compute where bfloat16 is native: crowdchat's kernels instead of PyTorch's bf16 ones
+    "int4_float32": {"quant": "nf4", "dtype": "float32"},
+    "dense_float32": {"quant": "none", "dtype": "float32"},
 }
 ROWS = (1, 2, 4, 6, 8, 32)
 

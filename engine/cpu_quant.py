@@ -90,16 +90,25 @@ class DenseCopy(nn.Module):
         whatever the matrix's width, so one call serves every part; a bf16 GEMM is blocked by
         its width too and can round a part 1 ulp differently (measured at 237 rows), so there
         each part is its own matmul."""
-        rounded = x if x.dtype == KERNEL_DTYPE else x.to(KERNEL_DTYPE).to(x.dtype)
-        if self.packed is not None:
-            y = torch.ops.quantized.linear_dynamic_fp16(rounded, self.packed)
-            parts = y.split(sizes, dim=-1) if sizes else (y,)
-        else:
-            weights = self.weight.split(sizes) if sizes else (self.weight,)
-            parts = tuple(F.linear(rounded, w) for w in weights)
+        rounded = x if x.dtype == KERNEL_DTYPE else round_bf16(x)
+        if self.packed is not None:  # float32 compute
+            y = round_bf16(torch.ops.quantized.linear_dynamic_fp16(rounded, self.packed), True)
+            return y.split(sizes, dim=-1) if sizes else (y,)
+        weights = self.weight.split(sizes) if sizes else (self.weight,)
+        parts = tuple(F.linear(rounded, w) for w in weights)
         if x.dtype == KERNEL_DTYPE:
             return parts
-        return tuple(p.to(KERNEL_DTYPE).to(x.dtype) for p in parts)
+        return tuple(round_bf16(p, inplace=True) for p in parts)
+
+
+def round_bf16(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """`x`'s values rounded to bfloat16, kept in its dtype (`x.to(bf16).to(x.dtype)`): one pass
+    on crowdchat's kernel (`csrc/elementwise.cpp`) for contiguous float32, in place with
+    `inplace`; else ATen's two casts."""
+    if x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and cpu_kernels.loaded():
+        op = torch.ops.crowdchat.round_to_bf16_ if inplace else torch.ops.crowdchat.round_to_bf16
+        return op(x)
+    return x.to(KERNEL_DTYPE).to(x.dtype)
 
 
 class QuantLinear(nn.Module):

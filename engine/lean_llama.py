@@ -202,6 +202,7 @@ class LeanLlama:
         step's time beside the weights' kernel."""
         ops = torch.ops.crowdchat
         rope_store, attend = ops.rope_store.default, ops.paged_decode_attention.default
+        silu_mul = ops.silu_mul.default
         (group,) = meta.decode_groups  # the CPU kernel takes all decodes as one group
         t, nq, nkv, bs = h.shape[0], self.heads, self.kv_heads, meta.block_size
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -226,9 +227,7 @@ class LeanLlama:
             o = attend(q, kc, vc, group.blocks, group.lens, bs, layer.attn.scaling)
             h = h + project(o_proj, o.view(t, -1))
             x = rms_norm(layer.norm2, h)
-            gu = project(gate_up, x)
-            half = gu.shape[1] // 2
-            h = h + project(down, F.silu(gu[:, :half]) * gu[:, half:])
+            h = h + project(down, silu_mul(project(gate_up, x)))
         return h
 
 

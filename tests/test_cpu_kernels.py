@@ -1,9 +1,9 @@
 """The CPU decode attention kernel (engine/csrc/paged_decode.cpp) against attention computed in
 float64 from the same blocks: seeded random shapes, pool dtypes, block tables and lengths
 (chunk edges included); a sequence's output does not depend on the rest of its batch; bad
-tables and lengths raise instead of reading outside the pool. Then the decode step's glue ops:
-`rope_store` bitwise Python's RoPE and pool write, and bad inputs refused (the whole layer's
-bitwise equality is tests/test_lean_llama.py's)."""
+tables and lengths raise instead of reading outside the pool. Then the steps' glue ops:
+`rope_store`, `round_to_bf16` and `silu_mul` bitwise what Python and ATen compute, and bad inputs
+refused (the whole layer's bitwise equality is tests/test_lean_llama.py's)."""
 
 from __future__ import annotations
 
@@ -153,3 +153,42 @@ def test_the_layer_and_norm_ops_refuse_bad_inputs(kernel) -> None:
         torch.ops.crowdchat.decode_layer(
             x, [w], 1e-5, x, x, empty, empty, empty, empty, empty, 16, 1.0, 1, 1
         )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_round_to_bf16_equals_atens_casts_bitwise(kernel, seed: int) -> None:
+    """Every float32 bit pattern kind (random bits: normals, subnormals, inf, NaN; values across
+    the whole range; ties), out of place and in place, at sizes either side of the thread grain;
+    a NaN stays a NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    n = [7, 1000, (1 << 17) + 3][seed]
+    bits = torch.randint(-(2**31), 2**31 - 1, (n,), generator=gen, dtype=torch.int64)
+    ties = torch.randint(0, 2**15, (n,), generator=gen, dtype=torch.int64) << 16 | 0x8000
+    for x in (
+        bits.to(torch.int32).view(torch.float32),
+        ties.to(torch.int32).view(torch.float32),
+        torch.randn(n, generator=gen) * torch.logspace(-40, 38, n),
+        torch.tensor([float("inf"), -float("inf"), 3.4e38, -3.4e38, 0.0, -0.0, 1e-45]),
+    ):
+        ref = x.to(torch.bfloat16).to(torch.float32)
+        for out in (
+            torch.ops.crowdchat.round_to_bf16(x),
+            torch.ops.crowdchat.round_to_bf16_(x.clone()),
+        ):
+            nan = ref.isnan()
+            assert torch.equal(out.isnan(), nan)
+            assert torch.equal(out[~nan].view(torch.int32), ref[~nan].view(torch.int32))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.crowdchat.round_to_bf16(torch.ones(3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.crowdchat.round_to_bf16_(torch.ones(4, 4).t())
+
+
+def test_silu_mul_equals_f_silu_times_up_bitwise(kernel) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for rows, inner in ((1, 1536), (33, 1536), (5, 7)):
+        gu = torch.randn(rows, 2 * inner, generator=gen) * 4
+        ref = torch.nn.functional.silu(gu[:, :inner]) * gu[:, inner:]
+        assert torch.equal(torch.ops.crowdchat.silu_mul(gu), ref)
+    with pytest.raises(RuntimeError, match="2 I"):
+        torch.ops.crowdchat.silu_mul(torch.ones(2, 5))

@@ -5,9 +5,8 @@
 // attention, two residual adds, SiLU and its product, slicing), each with its Python and its
 // turn at the GIL: at one row that overhead was a fifth of the step on the 2-core EPYC. Here the
 // same kernels are called as C++ functions (csrc/kernels.h), SiLU by ATen as in Python, and the
-// residual adds and the gate's product are plain float32 operations, each rounded as ATen rounds
-// them: the layer's output, the keys and the values are bitwise those of the Python loop
-// (tests/test_lean_llama.py).
+// residual adds are plain float32 operations, each rounded as ATen rounds them: the layer's
+// output, the keys and the values are bitwise those of the Python loop (tests/test_lean_llama.py).
 #pragma GCC optimize("fp-contract=off")
 
 #include <ATen/ATen.h>
@@ -50,16 +49,7 @@ at::Tensor decode_layer(const at::Tensor& h, at::TensorList weights, double eps,
   const auto o = paged_decode_attention(q, k_cache, v_cache, blocks, lens, block_size, scale);
   const auto attended = plus(h, q4_linear(o.view({t, -1}), w[3], w[4]));
   x = rms_norm(attended, w[5], eps);
-  const auto gate_up = q4_linear(x, w[6], w[7]);  // [T, 2 I]: gate's outputs, then up's
-  const int64_t inner = gate_up.size(1) / 2;
-  const auto act = at::silu(gate_up.narrow(1, 0, inner)).contiguous();
-  auto product = at::empty({t, inner}, h.options());
-  const float* ap = act.data_ptr<float>();
-  const float* gp = gate_up.data_ptr<float>();
-  float* pp = product.data_ptr<float>();
-  for (int64_t r = 0; r < t; ++r)
-    for (int64_t i = 0; i < inner; ++i)
-      pp[r * inner + i] = ap[r * inner + i] * gp[r * 2 * inner + inner + i];
+  const auto product = silu_mul(q4_linear(x, w[6], w[7]));  // SiLU(gate) * up
   return plus(attended, q4_linear(product, w[8], w[9]));
 }
 
