@@ -91,8 +91,34 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int]) -> l
         logits = logits.index_put((torch.tensor(penalized, device=logits.device),), rows)
     out = logits.argmax(dim=-1).tolist()
     sampled = [i for i, s in enumerate(seqs) if s.params.temperature >= GREEDY_BELOW]
-    if sampled:
-        rows = logits[sampled].to("cpu")
-        for j, i in enumerate(sampled):
+    if not sampled:
+        return out
+    rows = logits[sampled].to("cpu")
+    plain = [j for j, i in enumerate(sampled) if _plain(seqs[i])]
+    if plain:  # temperature only (the API's default): all such rows at once
+        picks = sample_plain(rows[plain], [seqs[sampled[j]] for j in plain])
+        for j, pick in zip(plain, picks, strict=True):
+            out[sampled[j]] = pick
+    for j, i in enumerate(sampled):
+        if not _plain(seqs[i]):
             out[i] = sample_row(rows[j], seqs[i])
     return out
+
+
+def _plain(seq: Sequence) -> bool:
+    return not seq.params.top_k and seq.params.top_p >= 1
+
+
+def sample_plain(rows: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """`sample_row` for rows that ask for a temperature only (no top-k, top-p 1), computed for
+    all of them in a few tensor ops instead of ~8 per row (at 32 rows a tenth of the engine
+    thread's time): the same float operations on each element (the division by the temperature
+    rounded to float32, the maximum and the running sum along each row as for one row), each
+    row's uniform number from its own generator, so each pick equals `sample_row`'s
+    (tests/test_sampler.py)."""
+    temps = torch.tensor([s.params.temperature for s in seqs], dtype=rows.dtype)
+    scaled = rows / temps[:, None]
+    cdf = (scaled - scaled.amax(-1, keepdim=True)).exp().cumsum(-1)
+    u = torch.cat([torch.rand(1, generator=_rng(s), dtype=cdf.dtype) for s in seqs])
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return idx.clamp(max=rows.shape[1] - 1).tolist()

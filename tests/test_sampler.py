@@ -120,3 +120,22 @@ def test_a_frequency_penalty_moves_the_pick_off_a_repeated_token() -> None:
     assert sample(logits[None], [seq], stop_ids=[]) == [6]
     seq = Sequence([5], SamplingParams(temperature=0, repetition_penalty=1.5))  # in the prompt
     assert sample(logits[None], [seq], stop_ids=[]) == [6]  # 3.0 / 1.5 < 2.5
+
+
+def test_batched_temperature_rows_pick_what_each_row_alone_picks() -> None:
+    """`sample_plain` (all temperature-only rows at once) against `sample_row` per row, each
+    with the same seed: seeded random logits, temperatures, vocabulary sizes and row counts
+    (a seeded request gives the same reply whoever else is in its batch)."""
+    gen = torch.Generator().manual_seed(0)
+    for case in range(30):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        v = int(torch.randint(2, 60_000, (1,), generator=gen))
+        logits = torch.randn(n, v, generator=gen) * float(torch.rand(1, generator=gen) * 20)
+        temps = (torch.rand(n, generator=gen) * 2 + 1e-3).tolist()
+        params = [SamplingParams(temperature=t, seed=case * 100 + i) for i, t in enumerate(temps)]
+        batched = [Sequence([1], p) for p in params]
+        alone = [Sequence([1], p) for p in params]
+        for _ in range(3):  # each row's generator advances the same way too
+            got = sample(logits, batched, [])
+            want = [sample_row(logits[i], alone[i]) for i in range(n)]
+            assert got == want, (case, n, v)
