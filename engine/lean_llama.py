@@ -118,17 +118,16 @@ class LeanLlama:
             for layer in inner.layers[: cfg.num_hidden_layers]  # as transformers runs them
         ]
         # steps of decodes only take `_decodes` where every layer's projections are on the
-        # 4-bit kernel: up to `q4_rows` rows on the kernel itself, more (with `fp16_above`) on
-        # their float16 dense copies (FBGEMM computes each column the same whatever the
-        # matrix's width, so q/k/v and gate/up stay one call each, bitwise as split)
+        # 4-bit kernel: up to `q4_rows` rows on the kernel itself, more (with `dense_above`) on
+        # their dense copies (float16 on FBGEMM, or bfloat16 where the CPU has it natively)
         own = [m for layer in self.layers for m in layer.q4 or ()]
         self.q4_rows = 0
-        self.fp16_above = False
+        self.dense_above = False
         if self.layers and all(layer.q4 is not None for layer in self.layers):
             self.q4_rows = min(m.dense_rows if m.dense is not None else 1 << 30 for m in own)
-            self.fp16_above = all(m.dense is not None and m.dense.packed is not None for m in own)
+            self.dense_above = all(m.dense is not None for m in own)
         # up to `q4_rows` rows, each layer is one `crowdchat::decode_layer` call: its weights
-        # (the op takes one eps: where the norms' differ, only the float16 path is taken)
+        # (the op takes one eps: where the norms' differ, only the dense copies' path is taken)
         norms = [n for layer in self.layers for n in (layer.norm1, layer.norm2)]
         self.eps = norms[0].variance_epsilon if norms else 0.0
         if any(n.variance_epsilon != self.eps for n in norms):
@@ -142,7 +141,7 @@ class LeanLlama:
                 + [gate_up.scales_zeros, down.packed, down.scales_zeros]
             )
         # False: every step takes `forward`'s general loop (benchmarks and tests compare them)
-        self.kernel_decodes = bool(self.q4_rows) or self.fp16_above
+        self.kernel_decodes = bool(self.q4_rows) or self.dense_above
 
     def forward(
         self,
@@ -156,7 +155,7 @@ class LeanLlama:
         t = ids.shape[1]
         if (
             self.kernel_decodes
-            and (t <= self.q4_rows or self.fp16_above)
+            and (t <= self.q4_rows or self.dense_above)
             and meta.decode_kernel is not None
             and meta.decode_groups
             and not meta.prefills
@@ -195,7 +194,7 @@ class LeanLlama:
         """A step of decodes only, float32, on crowdchat's CPU kernels. Up to `q4_rows` rows
         each layer is one `crowdchat::decode_layer` call (`engine/csrc/decode_layer.cpp`: the
         kernels below called from C++); above, ~14 Python calls a layer instead of the loop's
-        ~50, the projections on their float16 dense copies. The same ops on the same values as
+        ~50, the projections on their dense copies. The same ops on the same values as
         `forward`'s loop (RoPE and the K/V write as `crowdchat::rope_store` computes them,
         bitwise as in Python), so the logits and the K/V are bitwise the same
         (tests/test_lean_llama.py); what goes is the calls' overhead, at few rows most of a
@@ -216,18 +215,17 @@ class LeanLlama:
                 )  # fmt: skip
             return h
 
-        def project(m: Int4Linear, x: torch.Tensor) -> torch.Tensor:
-            return m.dense(x)[0]  # the whole output, rounded as the kernel rounds
-
-        for layer in self.layers:
-            qkv, o_proj, gate_up, down = layer.q4
+        for layer in self.layers:  # the dense copies, called as `forward`'s loop calls them
             kc, vc = meta.k_cache[layer.attn.layer_idx], meta.v_cache[layer.attn.layer_idx]
             x = rms_norm(layer.norm1, h)
-            q = rope_store(project(qkv, x), cos, sin, kc, vc, meta.slot_mapping, nq, nkv)
+            q = rope_store(
+                torch.cat(layer.qkv(x), -1), cos, sin, kc, vc, meta.slot_mapping, nq, nkv
+            )
             o = attend(q, kc, vc, group.blocks, group.lens, bs, layer.attn.scaling)
-            h = h + project(o_proj, o.view(t, -1))
+            h = h + layer.o_proj(o.view(t, -1))
             x = rms_norm(layer.norm2, h)
-            h = h + project(down, silu_mul(project(gate_up, x)))
+            gate, up = layer.gate_up(x)
+            h = h + layer.down(silu_mul(gate, up))
         return h
 
 

@@ -185,10 +185,14 @@ def test_round_to_bf16_equals_atens_casts_bitwise(kernel, seed: int) -> None:
 
 
 def test_silu_mul_equals_f_silu_times_up_bitwise(kernel) -> None:
+    """On slices of one fused output (as the layers pass them) and on separate tensors."""
     gen = torch.Generator().manual_seed(0)
     for rows, inner in ((1, 1536), (33, 1536), (5, 7)):
         gu = torch.randn(rows, 2 * inner, generator=gen) * 4
-        ref = torch.nn.functional.silu(gu[:, :inner]) * gu[:, inner:]
-        assert torch.equal(torch.ops.crowdchat.silu_mul(gu), ref)
-    with pytest.raises(RuntimeError, match="2 I"):
-        torch.ops.crowdchat.silu_mul(torch.ones(2, 5))
+        for gate, up in ((gu[:, :inner], gu[:, inner:]), (gu[:, inner:].clone(), gu[:, :inner])):
+            ref = torch.nn.functional.silu(gate) * up
+            assert torch.equal(torch.ops.crowdchat.silu_mul(gate, up), ref)
+    with pytest.raises(RuntimeError, match="gate, up"):
+        torch.ops.crowdchat.silu_mul(torch.ones(2, 5), torch.ones(2, 4))
+    with pytest.raises(RuntimeError, match="gate, up"):
+        torch.ops.crowdchat.silu_mul(torch.ones(5, 2).t(), torch.ones(2, 5))

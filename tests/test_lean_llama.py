@@ -125,8 +125,9 @@ def nf4_fp32_model(nf4_model: LoadedModel, model_dir: Path) -> LoadedModel:
 
 
 def _decodes_both_ways(loaded: LoadedModel, tmp: Path, seed: int) -> int:
-    """Steps of 1-10 decode rows (the lean forward's path on crowdchat's CPU kernels: the 4-bit
-    kernel up to 4 rows, the float16 dense copies above) at random context lengths, run through
+    """Steps of 1-10, 17 and 20 decode rows (the lean forward's path on crowdchat's CPU kernels:
+    the 4-bit kernel up to 4 rows (16 where bf16 is native), the dense copies above: float16 on
+    FBGEMM, or bfloat16) at random context lengths, run through
     both forwards: their logits and the K/V they write must be equal bitwise. Returns the steps
     that took the kernels' path."""
     engine = make_engine(loaded, tmp, kv_budget_mb=128)
@@ -140,7 +141,7 @@ def _decodes_both_ways(loaded: LoadedModel, tmp: Path, seed: int) -> int:
     rng = random.Random(seed)
     seqs = []
     with torch.inference_mode():
-        for _ in range(10):
+        for _ in range(20):
             n = rng.randint(1, 300)
             s = Sequence([rng.randrange(100, 20000) for _ in range(n)], SamplingParams())
             s.block_table = pool.allocate(pool.blocks_for(n + 40))
@@ -148,7 +149,7 @@ def _decodes_both_ways(loaded: LoadedModel, tmp: Path, seed: int) -> int:
             s.num_computed = n
             s.token_ids.append(rng.randrange(100, 20000))
             seqs.append(s)
-        for rows in rng.sample(range(1, 11), 10):
+        for rows in [*rng.sample(range(1, 11), 10), 17, 20]:
             plan = StepPlan(decodes=rng.sample(seqs, rows))
             bs = cache.block_size
             at = [s.num_computed for s in plan.decodes]
@@ -185,4 +186,4 @@ def test_decodes_on_the_cpu_kernels_equal_transformers_bitwise(
 ) -> None:
     if not cpu_kernels.load():
         pytest.skip("crowdchat's CPU kernels cannot be built here")
-    assert run_in_fresh_thread(lambda: _decodes_both_ways(nf4_fp32_model, tmp_path, seed)) == 10
+    assert run_in_fresh_thread(lambda: _decodes_both_ways(nf4_fp32_model, tmp_path, seed)) == 12

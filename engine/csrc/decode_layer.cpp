@@ -49,7 +49,9 @@ at::Tensor decode_layer(const at::Tensor& h, at::TensorList weights, double eps,
   const auto o = paged_decode_attention(q, k_cache, v_cache, blocks, lens, block_size, scale);
   const auto attended = plus(h, q4_linear(o.view({t, -1}), w[3], w[4]));
   x = rms_norm(attended, w[5], eps);
-  const auto product = silu_mul(q4_linear(x, w[6], w[7]));  // SiLU(gate) * up
+  const auto gate_up = q4_linear(x, w[6], w[7]);  // [T, 2 I]: gate's outputs, then up's
+  const int64_t inner = gate_up.size(1) / 2;
+  const auto product = silu_mul(gate_up.narrow(1, 0, inner), gate_up.narrow(1, inner, inner));
   return plus(attended, q4_linear(product, w[8], w[9]));
 }
 

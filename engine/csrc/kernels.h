@@ -30,10 +30,10 @@ void with_pool_type(at::ScalarType dtype, F&& f) {
 }
 
 // csrc/elementwise.cpp: float32 rounded to bfloat16 and back (as ATen's casts), out of place or
-// in place; SiLU of the gate times up, from the fused gate/up output [T, 2 I] -> [T, I]
+// in place; SiLU of the gate times up, [T, I] each (rows contiguous) -> [T, I]
 at::Tensor round_to_bf16(const at::Tensor& x);
 at::Tensor& round_to_bf16_(at::Tensor& x);
-at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 
 // csrc/paged_decode.cpp: q [B, H, D] float32 against each row's blocks of the pool -> [B, H, D]
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
