@@ -40,7 +40,10 @@ class EngineConfig(Settings):
         choices=QUANT_CHOICES,
     )
     dtype: str = setting(
-        "auto", "compute dtype (auto: bfloat16 where native)", choices=DTYPE_CHOICES
+        "auto",
+        "compute dtype (auto: float32 on a CPU with --quant nf4 and crowdchat's kernels built, "
+        "else bfloat16 where native)",
+        choices=DTYPE_CHOICES,
     )
     kv_dtype: str = setting(
         "auto",
