@@ -89,11 +89,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int]) -> l
     if penalized:  # out of place, as above
         rows = torch.stack([penalize(logits[i], seqs[i]) for i in penalized])
         logits = logits.index_put((torch.tensor(penalized, device=logits.device),), rows)
-    out = logits.argmax(dim=-1).tolist()
     sampled = [i for i, s in enumerate(seqs) if s.params.temperature >= GREEDY_BELOW]
+    greedy = sorted(set(range(len(seqs))) - set(sampled))
+    out = [0] * len(seqs)
+    if greedy:  # each a 49k-wide row: index only what is needed
+        picks = _rows(logits, greedy).argmax(dim=-1).tolist()
+        for i, pick in zip(greedy, picks, strict=True):
+            out[i] = pick
     if not sampled:
         return out
-    rows = logits[sampled].to("cpu")
+    rows = _rows(logits, sampled).to("cpu")
     plain = [j for j, i in enumerate(sampled) if _plain(seqs[i])]
     if plain:  # temperature only (the API's default): all such rows at once
         picks = sample_plain(rows[plain], [seqs[sampled[j]] for j in plain])
@@ -103,6 +108,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int]) -> l
         if not _plain(seqs[i]):
             out[i] = sample_row(rows[j], seqs[i])
     return out
+
+
+def _rows(logits: torch.Tensor, which: list[int]) -> torch.Tensor:
+    """The rows `which` of `logits`: the tensor itself (no copy) when that is all of them."""
+    return logits if which == list(range(logits.shape[0])) else logits[which]
 
 
 def _plain(seq: Sequence) -> bool:
@@ -117,8 +127,8 @@ def sample_plain(rows: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     row's uniform number from its own generator, so each pick equals `sample_row`'s
     (tests/test_sampler.py)."""
     temps = torch.tensor([s.params.temperature for s in seqs], dtype=rows.dtype)
-    scaled = rows / temps[:, None]
-    cdf = (scaled - scaled.amax(-1, keepdim=True)).exp().cumsum(-1)
+    cdf = rows / temps[:, None]  # one new [N, V] tensor, the rest in place on it
+    cdf.sub_(cdf.amax(-1, keepdim=True)).exp_().cumsum_(-1)
     u = torch.cat([torch.rand(1, generator=_rng(s), dtype=cdf.dtype) for s in seqs])
     idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
     return idx.clamp(max=rows.shape[1] - 1).tolist()
