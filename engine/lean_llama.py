@@ -119,7 +119,7 @@ class LeanLlama:
         ]
         # steps of decodes only take `_decodes` where every layer's projections are on the
         # 4-bit kernel: up to `q4_rows` rows on the kernel itself, more (with `dense_above`) on
-        # their dense copies (float16 on FBGEMM, or bfloat16 where the CPU has it natively)
+        # their dense copies (float16 on FBGEMM, else in the compute dtype)
         own = [m for layer in self.layers for m in layer.q4 or ()]
         self.q4_rows = 0
         self.dense_above = False

@@ -115,7 +115,7 @@ def resolve_dtype(name: str, device: torch.device, own_q4: bool = False) -> torc
     with engine.cpu_kernels built), which computes float32 and the decode steps' own path with
     it (engine.lean_llama `_decodes`). Even where bf16 is native that is faster: on the Zen 5
     EPYC (AVX512-BF16) a one-row step took 9 ms against 21 on PyTorch's bf16 int4 kernel, 63
-    against 69 at 32 rows (README "Which kernel runs where")."""
+    against 76 at 32 rows (medians; README "Float32 compute on native-bf16 CPUs too")."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":

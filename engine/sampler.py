@@ -101,7 +101,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int]) -> l
     rows = _rows(logits, sampled).to("cpu")
     plain = [j for j, i in enumerate(sampled) if _plain(seqs[i])]
     if plain:  # temperature only (the API's default): all such rows at once
-        picks = sample_plain(rows[plain], [seqs[sampled[j]] for j in plain])
+        picks = sample_plain(_rows(rows, plain), [seqs[sampled[j]] for j in plain])
         for j, pick in zip(plain, picks, strict=True):
             out[sampled[j]] = pick
     for j, i in enumerate(sampled):
