@@ -89,8 +89,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int]) -> l
     if penalized:  # out of place, as above
         rows = torch.stack([penalize(logits[i], seqs[i]) for i in penalized])
         logits = logits.index_put((torch.tensor(penalized, device=logits.device),), rows)
+    greedy = [i for i, s in enumerate(seqs) if s.params.temperature < GREEDY_BELOW]
     sampled = [i for i, s in enumerate(seqs) if s.params.temperature >= GREEDY_BELOW]
-    greedy = sorted(set(range(len(seqs))) - set(sampled))
     out = [0] * len(seqs)
     if greedy:  # each a 49k-wide row: index only what is needed
         picks = _rows(logits, greedy).argmax(dim=-1).tolist()

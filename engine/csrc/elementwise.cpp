@@ -1,20 +1,16 @@
 // Elementwise glue of a many-row step on float32 activations (engine/cpu_quant.py DenseCopy,
 // engine/lean_llama.py `_decodes`), one pass each where ATen made two or three.
 //
-// `round_to_bf16`: float32 values rounded to bfloat16 and back, bitwise as ATen's
-// `x.to(torch.bfloat16).to(torch.float32)` (round to nearest even; a NaN becomes 0xffff, as in
-// ATen's vectorized cast), in one pass and one allocation instead of two of each: around each
-// dense copy's GEMM, in and out, those casts were a sixth of a 32-row step on the Zen 5 EPYC. `silu_mul`: SiLU of the gate times up
-// (slices of the fused gate/up output), ATen's SiLU (the same vectorized code as F.silu) and a
-// plain float32 product, bitwise `F.silu(gate) * up`.
+// `round_to_bf16`: float32 values rounded to bfloat16 and back (csrc/kernels.h `bf16_rounded`,
+// bitwise ATen's casts), in one pass and one allocation instead of two of each: around each dense
+// copy's GEMM, in and out, those casts were a sixth of a 32-row step on the Zen 5 EPYC.
+// `silu_mul`: SiLU of the gate times up (slices of the fused gate/up output), ATen's SiLU (the
+// same vectorized code as F.silu) and a plain float32 product, bitwise `F.silu(gate) * up`.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "kernels.h"
-
-#include <cstdint>
-#include <cstring>
 
 namespace {
 
@@ -23,13 +19,7 @@ constexpr int64_t kGrain = int64_t{1} << 16;
 
 void round_range(const float* src, float* dst, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, src + i, sizeof(u));
-    const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
-    u = nan ? 0xffff0000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    std::memcpy(dst + i, &u, sizeof(u));
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = crowdchat::bf16_rounded(src[i]);
 }
 
 void check_float(const at::Tensor& x) {

@@ -4,7 +4,21 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
+#include <cstring>
+
 namespace crowdchat {
+
+// A float32 rounded to bfloat16 (to nearest even) and kept as float32, bitwise as ATen's
+// `x.to(torch.bfloat16).to(torch.float32)`; a NaN becomes 0xffff, as in ATen's vectorized cast
+inline float bf16_rounded(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  u = nan ? 0xffff0000u : (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
 
 // The KV pool of one layer, as rope_store writes it and paged_decode_attention reads it
 inline void check_pool(const at::Tensor& k_cache, const at::Tensor& v_cache) {

@@ -32,18 +32,6 @@ constexpr int64_t kRows = 4;  // rows of x sharing one widening of a group's wei
 // EPYC one row through 576 x 576 or 576 x 1536 weights was faster alone, 3072 x 576 was not
 constexpr int64_t kSerialWork = int64_t{1} << 20;
 
-// bfloat16 rounding (to nearest even) of a float32, kept as float32.
-inline float round_bf16(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, sizeof(u));
-  if ((u & 0x7f800000u) != 0x7f800000u) {  // inf and NaN stay as they are
-    u += 0x7fffu + ((u >> 16) & 1u);
-  }
-  u &= 0xffff0000u;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
-}
-
 inline float from_bf16(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
   float v;
@@ -103,7 +91,7 @@ void rows_block(const uint8_t* packed, const uint16_t* scales_zeros, const float
         zsum[r] += offset * xs[r * groups + g];
       }
     }
-    for (int r = 0; r < R; ++r) y[r * ldy + n] = round_bf16(hsum(acc[r]) + zsum[r]);
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = crowdchat::bf16_rounded(hsum(acc[r]) + zsum[r]);
   }
 }
 
@@ -130,7 +118,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
   std::vector<float> xr(m * k), xs(m * groups);
   const auto xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
-  for (int64_t i = 0; i < m * k; ++i) xr[i] = round_bf16(xp[i]);
+  for (int64_t i = 0; i < m * k; ++i) xr[i] = crowdchat::bf16_rounded(xp[i]);
   for (int64_t i = 0; i < m * groups; ++i) {
     float t = 0.0f;
     for (int64_t j = 0; j < kGroup; ++j) t += xr[i * kGroup + j];
