@@ -85,6 +85,12 @@ def decode_attention() -> Kernel | None:
     return torch.ops.crowdchat.paged_decode_attention if load() else None
 
 
+def q4_dot_layout() -> bool:
+    """Whether the 4-bit kernel was built for AVX512-BF16 (csrc/q4_linear.cpp): its weights
+    then take that kernel's layout (engine.cpu_quant `pack_for_dot`) and need no dense copy."""
+    return load() and torch.ops.crowdchat.q4_dot_layout()
+
+
 def q4_linear() -> Kernel | None:
     """The 4-bit weights' few-row matmul op, or None where the kernels cannot be built."""
     return torch.ops.crowdchat.q4_linear if load() else None

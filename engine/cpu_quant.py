@@ -161,7 +161,11 @@ class Int4Linear(QuantLinear):
         super().__init__(n, k, copy, dense.rows if dense else 0)
         self.group_size = g
         self.own = own
-        if own:  # csrc/q4_linear.cpp's layout: q[j] and q[j + 16] share byte j of a group
+        if own and n % 16 == 0 and cpu_kernels.q4_dot_layout():
+            packed, sz = pack_for_dot(q, sz)  # the AVX512-BF16 kernel's layout
+            self.register_buffer("packed", packed, persistent=False)
+            self.register_buffer("scales_zeros", sz, persistent=False)
+        elif own:  # csrc/q4_linear.cpp's layout: q[j] and q[j + 16] share byte j of a group
             q8 = q.to(torch.uint8).view(n, -1, g)
             packed = q8[..., : g // 2] | (q8[..., g // 2 :] << 4)
             self.register_buffer("packed", packed.contiguous(), persistent=False)
@@ -180,6 +184,19 @@ class Int4Linear(QuantLinear):
             x.to(KERNEL_DTYPE), self.packed, self.group_size, self.scales_and_zeros
         )
         return y.to(x.dtype)
+
+
+def pack_for_dot(q: torch.Tensor, sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """csrc/q4_linear.cpp's AVX512-BF16 layout of `q` (int [N, K], 0..15) and `sz` (bfloat16
+    [K/32, N, 2]): columns in blocks of 16; per 4 values of K 32 bytes, byte i for column
+    i // 2, its low nibble K = 4t + i % 2, its high one 4t + 2 + i % 2 (the bfloat16 pairs
+    `vdpbf16ps` multiplies); scales, then zeros, of a block's 16 columns side by side."""
+    n, k = q.shape
+    quads = q.to(torch.uint8).view(n // 16, 16, k // 4, 2, 2)  # block, column, t, half, i % 2
+    byte = quads[..., 0, :] | (quads[..., 1, :] << 4)
+    packed = byte.permute(0, 2, 1, 3).reshape(n // 16, k // GROUP_SIZE, 256)
+    s = sz.view(k // GROUP_SIZE, n // 16, 16, 2).permute(1, 0, 3, 2)
+    return packed.contiguous(), s.reshape(n // 16, k // GROUP_SIZE, 32).contiguous()
 
 
 class Int8Linear(QuantLinear):
@@ -259,7 +276,10 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
     dense = dense_kind(model.dtype, dense_rows)
     # crowdchat's 4-bit kernel where compute is float32 (PyTorch's is fast on native bf16)
     own = quant == "nf4" and model.dtype == torch.float32 and cpu_kernels.q4_linear() is not None
-    make = (lambda w, d: Int4Linear(w, d, own)) if quant == "nf4" else Int8Linear
+    # on the AVX512-BF16 kernel no dense copy beside the 4-bit weights: it is faster at every
+    # row count measured (csrc/q4_linear.cpp), unless the operator asks for one
+    dot = own and dense_rows is None and cpu_kernels.q4_dot_layout()
+    make = (lambda w, d: Int4Linear(w, None if dot else d, own)) if quant == "nf4" else Int8Linear
     # q/k/v and gate/up first, each group as one packed matrix (see engine.fused_proj)
     groups = fuse_projections(
         model,
@@ -287,7 +307,7 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
     log.info(
         "CPU weight-only %s%s on %d linears + %d fused groups, output projection %s, %s",
         quant,
-        " (crowdchat's kernel)" if own else "",
+        (" (crowdchat's AVX512-BF16 kernel)" if dot else " (crowdchat's kernel)") if own else "",
         swapped,
         groups,
         head,
@@ -295,7 +315,7 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
     )
     name = "torch-int8"
     if quant == "nf4":
-        name = f"{'crowdchat' if own else 'torch'}-int4g{GROUP_SIZE}"
+        name = f"{'crowdchat' if own else 'torch'}{'-dot' if dot else ''}-int4g{GROUP_SIZE}"
     return name + "+fp16" if dense is not None and dense.fp16 else name
 
 
