@@ -116,6 +116,18 @@ void rows_block(const uint8_t* packed, const uint16_t* scales_zeros, const float
 constexpr int64_t kDotRows = 8;   // rows of x sharing one group's bfloat16 weights
 constexpr int64_t kDotChunk = 64;  // rows of x (their bf16 copy in L2) per pass over weights
 
+// 16 floats rounded to bfloat16 as crowdchat::bf16_rounded rounds them (NaN to 0xffff0000)
+inline __m512 rounded(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i v = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+  v = _mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_castsi512_ps(
+      _mm512_mask_mov_epi32(v, nan, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
 // R rows of x (bfloat16 bits `xb` [R, K], group sums `xs` [R, K/32]) through one block of 16
 // output columns (`pw` its packed groups, `psz` its scales and zeros) into `y` (row stride ldy)
 template <int R>
@@ -158,31 +170,21 @@ void dot_block(const uint8_t* pw, const uint16_t* psz, const uint16_t* xb, const
                                _mm512_fmadd_ps(zero, _mm512_set1_ps(xs[r * groups + g]), acc[r]));
     }
   }
-  for (int r = 0; r < R; ++r) {  // rounded to bfloat16 as crowdchat::bf16_rounded rounds
-    const __m512i u = _mm512_castps_si512(acc[r]);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i v = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    v = _mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    v = _mm512_mask_mov_epi32(v, nan, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
-    _mm512_storeu_ps(y + r * ldy, _mm512_castsi512_ps(v));
-  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, rounded(acc[r]));
 }
 
 // rows [m0, m1) of x as bfloat16 bits, and each group's sum of them in float32
 void to_bf16(const float* x, int64_t m0, int64_t m1, int64_t k, uint16_t* xb, float* xs) {
   const int64_t groups = k / kGroup;
   for (int64_t i = m0 * groups; i < m1 * groups; ++i) {
-    float sum = 0.0f;
-    for (int64_t j = i * kGroup; j < (i + 1) * kGroup; ++j) {
-      const float v = crowdchat::bf16_rounded(x[j]);
-      uint32_t u;
-      std::memcpy(&u, &v, sizeof(u));
-      xb[j] = static_cast<uint16_t>(u >> 16);
-      sum += v;
-    }
-    xs[i] = sum;
+    const __m512 lo = rounded(_mm512_loadu_ps(x + i * kGroup));
+    const __m512 hi = rounded(_mm512_loadu_ps(x + i * kGroup + 16));
+    // the upper halves of the rounded values are their bfloat16 bits
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + i * kGroup),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + i * kGroup + 16),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(hi), 16)));
+    xs[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
   }
 }
 
