@@ -15,6 +15,9 @@ activations are cast to bfloat16 around the matmul and back. Where compute is fl
 without native bfloat16, where PyTorch's int4 kernel widens its bf16 activations group by
 group) the 4-bit weights run on crowdchat's own kernel instead (`csrc/q4_linear.cpp`, built by
 engine.cpu_kernels), which rounds the same way and computes the same values to one bf16 ulp.
+On CPUs with AVX512-BF16 that kernel multiplies bfloat16 pairs (`vdpbf16ps`, twice the rate of
+float32 FMAs) from its own layout (`pack_for_dot`) and outruns every dense copy below, so none
+is kept there unless `--cpu-dense-above` asks for one.
 
 Where a step's rows are many (a prefill chunk, a crowd of decodes) a dense matmul of the
 *dequantized* weights is faster; a dense copy of the same quantized values is kept for that
@@ -202,17 +205,27 @@ def pack_for_dot(q: torch.Tensor, sz: torch.Tensor) -> tuple[torch.Tensor, torch
 class Int8Linear(QuantLinear):
     """y = x W^T with W in int8, one symmetric scale per output channel."""
 
-    def __init__(self, weight: torch.Tensor, dense: DenseKind | None) -> None:
+    def __init__(self, weight: torch.Tensor, dense: DenseKind | None, own: bool = False) -> None:
         n, k = weight.shape
         w = weight.detach().float()
         scale = _bf16_at_least(w.abs().amax(1) / 127)  # the kernel's scale is bfloat16
         q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
         copy = dense.copy(q.float() * scale[:, None]) if dense is not None else None
         super().__init__(n, k, copy, dense.rows if dense else 0)
-        self.register_buffer("qweight", q, persistent=False)
-        self.register_buffer("scales", scale.to(KERNEL_DTYPE), persistent=False)
+        # `own` (float32 compute): csrc/q4_linear.cpp's AVX512-BF16 int8 kernel where built
+        self.own = own and n % 16 == 0 and k % GROUP_SIZE == 0 and cpu_kernels.q4_dot_layout()
+        if self.own:  # [N/16, K/2, 32]: byte i of a pair of K for column i // 2
+            packed = q.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
+            qweight = packed.reshape(n // 16, k // 2, 32).contiguous()
+            self.register_buffer("qweight", qweight, persistent=False)
+            self.register_buffer("scales", scale.contiguous(), persistent=False)
+        else:
+            self.register_buffer("qweight", q, persistent=False)
+            self.register_buffer("scales", scale.to(KERNEL_DTYPE), persistent=False)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own:  # float32 in and out, rounded to bf16 inside
+            return torch.ops.crowdchat.int8_dot(x, self.qweight, self.scales)
         return torch._weight_int8pack_mm(x.to(KERNEL_DTYPE), self.qweight, self.scales).to(x.dtype)
 
 
@@ -294,7 +307,10 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
             if type(child) is not nn.Linear or child.bias is not None:
                 continue
             if child is model.get_output_embeddings():
-                if dense is not None and dense.fp16:
+                if dot:  # int8 on the AVX512-BF16 kernel: half the bytes of float16
+                    setattr(parent, name, Int8Linear(child.weight, None, own=True))
+                    head = "int8, crowdchat's AVX512-BF16 kernel"
+                elif dense is not None and dense.fp16:
                     setattr(parent, name, Fp16Linear(child.weight))
                     head = "fp16"
                 else:
@@ -316,7 +332,7 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
     name = "torch-int8"
     if quant == "nf4":
         name = f"{'crowdchat' if own else 'torch'}{'-dot' if dot else ''}-int4g{GROUP_SIZE}"
-    return name + "+fp16" if dense is not None and dense.fp16 else name
+    return name + "+fp16" if dense is not None and dense.fp16 and not dot else name
 
 
 def dense_copy_bytes(model: nn.Module) -> int:

@@ -118,6 +118,36 @@ def test_crowdchat_int4_kernel_computes_what_torchs_does(seed: int) -> None:
         assert torch.equal(got, solo)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_crowdchat_int8_kernel_computes_what_torchs_does(seed: int) -> None:
+    """The output projection's int8 kernel on AVX512-BF16 CPUs (csrc/q4_linear.cpp `int8_dot`)
+    against PyTorch's `_weight_int8pack_mm` on the same int8 weights and scales: within float32
+    summation order, then one bf16 ulp; each row's output the same alone or in any batch."""
+    if not cpu_kernels.q4_dot_layout():
+        pytest.skip("this CPU has no AVX512-BF16 (or the kernels are not built)")
+    gen = torch.Generator().manual_seed(seed)
+    n, k = [(48, 32), (208, 576), (1024, 96)][seed]
+    w = torch.randn(n, k, generator=gen) * (0.02 + seed)
+    torchs, ours = Int8Linear(w, None), Int8Linear(w, None, own=True)
+    assert ours.own and not torchs.own and not Int8Linear(w[:40], None, own=True).own
+    for rows in (1, 3, 8, 9, 33, 70):
+        x = torch.randn(rows, k, generator=gen) * (0.1 + seed)
+        got = ours(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        assert torch.equal(got, got.bfloat16().float())
+        atol = 2**-20 * float((x.abs() @ w.abs().t()).max())
+        torch.testing.assert_close(got, torchs(x), rtol=2**-7, atol=atol)
+        assert torch.equal(got, torch.cat([ours(x[i : i + 1]) for i in range(rows)]))
+    int8 = torch.ops.crowdchat.int8_dot
+    with pytest.raises(RuntimeError, match="columns"):
+        int8(torch.randn(2, k + 32), ours.qweight, ours.scales)
+    with pytest.raises(RuntimeError, match="scales"):
+        int8(torch.randn(2, k), ours.qweight, ours.scales[:16])
+    with pytest.raises(RuntimeError, match="float32"):
+        int8(torch.randn(2, k).bfloat16(), ours.qweight, ours.scales)
+    assert int8(torch.randn(0, k), ours.qweight, ours.scales).shape == (0, n)
+
+
 def test_crowdchat_int4_kernel_rejects_what_it_cannot_compute() -> None:
     assert cpu_kernels.load(), "make builds them: python engine/cpu_kernels.py"
     ours = Int4Linear(torch.randn(8, 64), None, own=True)
@@ -169,19 +199,19 @@ def test_the_default_cpu_model_runs_on_torch_int4_kernels(nf4_model: LoadedModel
     own = nf4_model.dtype == torch.float32
     assert all(m.own == own for m in nf4_model.model.modules() if isinstance(m, Int4Linear))
     int4 = "crowdchat-int4g32" if own else "torch-int4g32"
-    # on AVX512-BF16 CPUs crowdchat's kernel runs every row count: no dense copies beside it
+    # on AVX512-BF16 CPUs crowdchat's kernels run every row count: no dense copies beside them,
+    # and the output projection int8 on the same kind of kernel
     dot = own and cpu_kernels.q4_dot_layout()
-    if dot:
-        int4 = "crowdchat-dot-int4g32"
     layers = nf4_model.model.model.layers
     assert all((m.dense is None) == dot for m in layers.modules() if isinstance(m, Int4Linear))
-    if cpu_quant.dense_kind(nf4_model.dtype, None).fp16:
+    if dot:
+        assert isinstance(head, Int8Linear) and head.own and head.dense is None
+        assert nf4_model.kernel == "crowdchat-dot-int4g32"
+    elif cpu_quant.dense_kind(nf4_model.dtype, None).fp16:
         assert isinstance(head, Fp16Linear)
         assert nf4_model.kernel == int4 + "+fp16"
-        # the packed copies count as the model's memory (the admin page, the KV budget): the
-        # output projection's (49,152 x 576 float16), and the layers' unless `dot`
-        copies = 50 if dot else 200
-        assert nf4_model.model_bytes > nf4_model.model.get_memory_footprint() + copies * 2**20
+        # the packed copies count as the model's memory (the admin page, the KV budget)
+        assert nf4_model.model_bytes > nf4_model.model.get_memory_footprint() + 200 * 2**20
     else:
         assert isinstance(head, Int8Linear)
         assert nf4_model.kernel == int4

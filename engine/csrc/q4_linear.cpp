@@ -235,6 +235,83 @@ at::Tensor q4_dot(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   });
   return y;
 }
+
+// The output projection in int8 (engine/cpu_quant.py Int8Linear: one bfloat16 scale per output
+// column, y = scale * sum(q x)): int8 values are exact in bfloat16, widened in registers.
+// Layout: int8 [N/16, K/2, 32], byte i of a pair of K for column i / 2, K = 2p + i % 2.
+template <int R>
+void int8_block(const int8_t* pw, const float* scales, const uint16_t* xb, int64_t k, float* y,
+                int64_t ldy) {
+  __m512 acc[R][2];  // two chains a row (even and odd pairs of K)
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const auto widen = [](const int8_t* b) {  // 32 int8 weights to bfloat16, lanes in order
+    const __m512 lo = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))));
+    const __m512 hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);  // lanes 0-15 from lo, 16-31 from hi
+  };
+  for (int64_t p = 0; p < k / 2; p += 2) {  // K is a multiple of 32
+    const __m512bh w0 = widen(pw + p * 32), w1 = widen(pw + p * 32 + 32);
+    for (int r = 0; r < R; ++r) {
+      int32_t a, b;
+      std::memcpy(&a, xb + r * k + 2 * p, sizeof(a));
+      std::memcpy(&b, xb + r * k + 2 * p + 2, sizeof(b));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, (__m512bh)_mm512_set1_epi32(a));
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, (__m512bh)_mm512_set1_epi32(b));
+    }
+  }
+  const __m512 scale = _mm512_loadu_ps(scales);
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(y + r * ldy,
+                     rounded(_mm512_mul_ps(_mm512_add_ps(acc[r][0], acc[r][1]), scale)));
+}
+
+at::Tensor int8_dot(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: float32 [M, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(2) == 32 &&
+                  packed.is_contiguous(),
+              "packed: contiguous int8 [N/16, K/2, 32]");
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0), n = blocks * 16;
+  TORCH_CHECK(k % kGroup == 0 && k == 2 * packed.size(1), "x has ", k, " columns, the weights ",
+              2 * packed.size(1), " (a multiple of 32)");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.size(0) == n &&
+                  scales.is_contiguous(),
+              "scales: float32 [N]");
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const auto xc = x.contiguous();
+  std::vector<uint16_t> xb(m * k);
+  std::vector<float> xs(m * (k / kGroup));  // unused here
+  to_bf16(xc.data_ptr<float>(), 0, m, k, xb.data(), xs.data());
+  const int8_t* pp = packed.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, blocks, m * n * k < kSerialWork ? blocks + 1 : 1, [&](int64_t b0,
+                                                                              int64_t b1) {
+    for (int64_t c0 = 0; c0 < m; c0 += kDotChunk) {
+      const int64_t c1 = std::min(m, c0 + kDotChunk);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int8_t* pw = pp + b * k * 16;
+        for (int64_t r0 = c0; r0 < c1; r0 += kDotRows) {
+          const uint16_t* x0 = xb.data() + r0 * k;
+          float* y0 = yp + r0 * n + b * 16;
+          switch (std::min<int64_t>(kDotRows, c1 - r0)) {
+            case 1: int8_block<1>(pw, sp + b * 16, x0, k, y0, n); break;
+            case 2: int8_block<2>(pw, sp + b * 16, x0, k, y0, n); break;
+            case 3: int8_block<3>(pw, sp + b * 16, x0, k, y0, n); break;
+            case 4: int8_block<4>(pw, sp + b * 16, x0, k, y0, n); break;
+            case 5: int8_block<5>(pw, sp + b * 16, x0, k, y0, n); break;
+            case 6: int8_block<6>(pw, sp + b * 16, x0, k, y0, n); break;
+            case 7: int8_block<7>(pw, sp + b * 16, x0, k, y0, n); break;
+            default: int8_block<8>(pw, sp + b * 16, x0, k, y0, n); break;
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
 #endif
 
 }  // namespace
@@ -307,8 +384,12 @@ TORCH_LIBRARY_FRAGMENT(crowdchat, m) {
   m.def("q4_linear(Tensor x, Tensor packed, Tensor scales_zeros) -> Tensor");
   // whether this build packs for the AVX512-BF16 kernel (no tensor: a catch-all kernel)
   m.def("q4_dot_layout() -> bool", &crowdchat::q4_dot_layout);
+  m.def("int8_dot(Tensor x, Tensor packed, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
   m.impl("q4_linear", &crowdchat::q4_linear);
+#ifdef CROWDCHAT_Q4_DOT
+  m.impl("int8_dot", &int8_dot);
+#endif
 }
