@@ -291,7 +291,8 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
     own = quant == "nf4" and model.dtype == torch.float32 and cpu_kernels.q4_linear() is not None
     # on the AVX512-BF16 kernel no dense copy beside the 4-bit weights: it is faster at every
     # row count measured (csrc/q4_linear.cpp), unless the operator asks for one
-    dot = own and dense_rows is None and cpu_kernels.q4_dot_layout()
+    dot_layout = own and cpu_kernels.q4_dot_layout()
+    dot = dot_layout and dense_rows is None
     make = (lambda w, d: Int4Linear(w, None if dot else d, own)) if quant == "nf4" else Int8Linear
     # q/k/v and gate/up first, each group as one packed matrix (see engine.fused_proj)
     groups = fuse_projections(
@@ -323,15 +324,17 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
     log.info(
         "CPU weight-only %s%s on %d linears + %d fused groups, output projection %s, %s",
         quant,
-        (" (crowdchat's AVX512-BF16 kernel)" if dot else " (crowdchat's kernel)") if own else "",
+        (" (crowdchat's AVX512-BF16 kernel)" if dot_layout else " (crowdchat's kernel)")
+        if own
+        else "",
         swapped,
         groups,
         head,
-        dense,
+        None if dot else dense,
     )
     name = "torch-int8"
     if quant == "nf4":
-        name = f"{'crowdchat' if own else 'torch'}{'-dot' if dot else ''}-int4g{GROUP_SIZE}"
+        name = f"{'crowdchat' if own else 'torch'}{'-dot' if dot_layout else ''}-int4g{GROUP_SIZE}"
     return name + "+fp16" if dense is not None and dense.fp16 and not dot else name
 
 

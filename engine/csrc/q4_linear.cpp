@@ -23,10 +23,10 @@
 // of 16, packed uint8 [N/16, K/32, 256]: within a group, 32 bytes per 4 values of K, byte i
 // for column i / 2, its low nibble q[4t + i % 2] and its high one q[4t + 2 + i % 2] (the pairs
 // `vdpbf16ps` takes, for 16 columns at once); scales and zeros bfloat16 [N/16, K/32, 2, 16].
-// On the 2-core Zen 5 EPYC all of the embedded model's 4-bit linears (30 layers) took
-// 2.1 / 4.5 / 15 / 203 ms at 1 / 8 / 32 / 512 rows, the AVX2 kernel 5.1 / 15 / 56 / -, and
-// FBGEMM's fp16 GEMM on a dense copy 8.1 / 9.2 / 22 / 264 (/tmp prototype, bench/kernel_speed.py
-// for the whole step): so no dense copy is kept by default there.
+// On the 2-core Zen 5 EPYC the embedded model's 4-bit linears (30 layers, weights streamed
+// from memory) took 2.3 / 4.8 / 15.9 / 241 ms at 1 / 8 / 32 / 512 rows, the AVX2 kernel 5.1 /
+// 15.0 / 58.1 / -, FBGEMM's fp16 GEMM on a dense copy 8.1 / 9.2 / 22.8 / 292 (best of 3,
+// README "An AVX512-BF16 kernel"): so no dense copy is kept by default there.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
