@@ -26,7 +26,8 @@
 // On the 2-core Zen 5 EPYC the embedded model's 4-bit linears (30 layers, weights streamed
 // from memory) took 2.3 / 4.8 / 15.9 / 241 ms at 1 / 8 / 32 / 512 rows, the AVX2 kernel 5.1 /
 // 15.0 / 58.1 / -, FBGEMM's fp16 GEMM on a dense copy 8.1 / 9.2 / 22.8 / 292 (best of 3,
-// README "An AVX512-BF16 kernel"): so no dense copy is kept by default there.
+// README "An AVX512-BF16 kernel"): so no dense copy is kept by default there. The output
+// projection's int8 weights run there on a kernel of the same kind (`int8_dot`, below).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
