@@ -3,11 +3,12 @@
 Loads the embedded model once per mode (`--quant nf4` as the server runs it: crowdchat's 4-bit
 kernel where compute is float32 (engine.cpu_kernels), else PyTorch's, with the default dense
 copy: none on crowdchat's AVX512-BF16 kernel, FBGEMM's float16 above 4 rows where compute is
-float32 otherwise, else a copy in the compute dtype above 16; the same on PyTorch's int4 kernel; with the compute-dtype copy above 16 rows, as
-before FBGEMM; packed only; bitsandbytes nf4; and `--quant none`), then times a
-decode step of 1, 8 and 32 sequences (contexts ~100 tokens) and a 500-token prefill, in
-interleaved rounds so that a noisy machine slows every mode alike. One JSON line per mode,
-then a summary with each mode's step times over bitsandbytes' and the machine.
+float32 otherwise, else a copy in the compute dtype above 16; the same on PyTorch's int4 kernel;
+with the compute-dtype copy above 16 rows, as before FBGEMM; packed only; bitsandbytes nf4; and
+`--quant none`), then times a decode step of 1, 8 and 32 sequences (contexts ~100 tokens) and a
+500-token prefill, in interleaved rounds so that a noisy machine slows every mode alike. One
+JSON line per mode, then a summary with each mode's step times over bitsandbytes' and the
+machine.
 """
 
 from __future__ import annotations
