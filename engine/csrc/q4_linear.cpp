@@ -37,6 +37,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -174,7 +175,7 @@ void dot_block(const uint8_t* pw, const uint16_t* psz, const uint16_t* xb, const
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, rounded(acc[r]));
 }
 
-// rows [m0, m1) of x as bfloat16 bits, and each group's sum of them in float32
+// rows [m0, m1) of x as bfloat16 bits, and (where `xs` is given) each group's sum of them
 void to_bf16(const float* x, int64_t m0, int64_t m1, int64_t k, uint16_t* xb, float* xs) {
   const int64_t groups = k / kGroup;
   for (int64_t i = m0 * groups; i < m1 * groups; ++i) {
@@ -185,8 +186,51 @@ void to_bf16(const float* x, int64_t m0, int64_t m1, int64_t k, uint16_t* xb, fl
                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + i * kGroup + 16),
                         _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(hi), 16)));
-    xs[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    if (xs != nullptr) xs[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
   }
+}
+
+// x [M, K] (K a multiple of 32) as bfloat16 bits, and each group's sum if `sums`
+struct Bf16Rows {
+  std::vector<uint16_t> bits;
+  std::vector<float> sums;
+};
+
+Bf16Rows bf16_rows(const at::Tensor& x, bool sums) {
+  const int64_t m = x.size(0), k = x.size(1);
+  const auto xc = x.contiguous();
+  Bf16Rows rows{std::vector<uint16_t>(m * k), std::vector<float>(sums ? m * (k / kGroup) : 0)};
+  at::parallel_for(0, m, m * k < kSerialWork ? m + 1 : 8, [&](int64_t m0, int64_t m1) {
+    to_bf16(xc.data_ptr<float>(), m0, m1, k, rows.bits.data(), sums ? rows.sums.data() : nullptr);
+  });
+  return rows;
+}
+
+// Calls `block(rows, b, r0)` for every block b of 16 output columns and every kDotRows rows of
+// x from r0 (`rows` a std::integral_constant of how many): each thread takes a range of column
+// blocks; per chunk of kDotChunk rows, a block's weights (a few KB) are read once from memory
+// and reused from L1 by every kDotRows rows
+template <typename Block>
+void over_blocks(int64_t m, int64_t blocks, int64_t work, const Block& block) {
+  at::parallel_for(0, blocks, work < kSerialWork ? blocks + 1 : 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t c0 = 0; c0 < m; c0 += kDotChunk) {
+      const int64_t c1 = std::min(m, c0 + kDotChunk);
+      for (int64_t b = b0; b < b1; ++b) {
+        for (int64_t r0 = c0; r0 < c1; r0 += kDotRows) {
+          switch (std::min<int64_t>(kDotRows, c1 - r0)) {
+            case 1: block(std::integral_constant<int, 1>{}, b, r0); break;
+            case 2: block(std::integral_constant<int, 2>{}, b, r0); break;
+            case 3: block(std::integral_constant<int, 3>{}, b, r0); break;
+            case 4: block(std::integral_constant<int, 4>{}, b, r0); break;
+            case 5: block(std::integral_constant<int, 5>{}, b, r0); break;
+            case 6: block(std::integral_constant<int, 6>{}, b, r0); break;
+            case 7: block(std::integral_constant<int, 7>{}, b, r0); break;
+            default: block(std::integral_constant<int, 8>{}, b, r0); break;
+          }
+        }
+      }
+    }
+  });
 }
 
 at::Tensor q4_dot(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz) {
@@ -198,41 +242,14 @@ at::Tensor q4_dot(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   const int64_t n = blocks * 16;
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  const auto xc = x.contiguous();
-  std::vector<uint16_t> xb(m * k);
-  std::vector<float> xs(m * groups);
-  at::parallel_for(0, m, m * k < kSerialWork ? m + 1 : 8, [&](int64_t m0, int64_t m1) {
-    to_bf16(xc.data_ptr<float>(), m0, m1, k, xb.data(), xs.data());
-  });
+  const Bf16Rows xr = bf16_rows(x, true);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  // each thread takes a range of column blocks; per chunk of rows, each block's weights (a few
-  // KB) are read once from memory and reused from L1 by every kDotRows rows
-  at::parallel_for(0, blocks, m * n * k < kSerialWork ? blocks + 1 : 1, [&](int64_t b0,
-                                                                              int64_t b1) {
-    for (int64_t c0 = 0; c0 < m; c0 += kDotChunk) {
-      const int64_t c1 = std::min(m, c0 + kDotChunk);
-      for (int64_t b = b0; b < b1; ++b) {
-        const uint8_t* pw = pp + b * groups * 256;
-        const uint16_t* ps = sp + b * groups * 32;
-        for (int64_t r0 = c0; r0 < c1; r0 += kDotRows) {
-          const uint16_t* x0 = xb.data() + r0 * k;
-          const float* xs0 = xs.data() + r0 * groups;
-          float* y0 = yp + r0 * n + b * 16;
-          switch (std::min<int64_t>(kDotRows, c1 - r0)) {
-            case 1: dot_block<1>(pw, ps, x0, xs0, k, groups, y0, n); break;
-            case 2: dot_block<2>(pw, ps, x0, xs0, k, groups, y0, n); break;
-            case 3: dot_block<3>(pw, ps, x0, xs0, k, groups, y0, n); break;
-            case 4: dot_block<4>(pw, ps, x0, xs0, k, groups, y0, n); break;
-            case 5: dot_block<5>(pw, ps, x0, xs0, k, groups, y0, n); break;
-            case 6: dot_block<6>(pw, ps, x0, xs0, k, groups, y0, n); break;
-            case 7: dot_block<7>(pw, ps, x0, xs0, k, groups, y0, n); break;
-            default: dot_block<8>(pw, ps, x0, xs0, k, groups, y0, n); break;
-          }
-        }
-      }
-    }
+  over_blocks(m, blocks, m * n * k, [&](auto rows, int64_t b, int64_t r0) {
+    dot_block<decltype(rows)::value>(pp + b * groups * 256, sp + b * groups * 32,
+                                     xr.bits.data() + r0 * k, xr.sums.data() + r0 * groups, k,
+                                     groups, yp + r0 * n + b * 16, n);
   });
   return y;
 }
@@ -281,35 +298,13 @@ at::Tensor int8_dot(const at::Tensor& x, const at::Tensor& packed, const at::Ten
               "scales: float32 [N]");
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  const auto xc = x.contiguous();
-  std::vector<uint16_t> xb(m * k);
-  std::vector<float> xs(m * (k / kGroup));  // unused here
-  to_bf16(xc.data_ptr<float>(), 0, m, k, xb.data(), xs.data());
+  const Bf16Rows xr = bf16_rows(x, false);
   const int8_t* pp = packed.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, blocks, m * n * k < kSerialWork ? blocks + 1 : 1, [&](int64_t b0,
-                                                                              int64_t b1) {
-    for (int64_t c0 = 0; c0 < m; c0 += kDotChunk) {
-      const int64_t c1 = std::min(m, c0 + kDotChunk);
-      for (int64_t b = b0; b < b1; ++b) {
-        const int8_t* pw = pp + b * k * 16;
-        for (int64_t r0 = c0; r0 < c1; r0 += kDotRows) {
-          const uint16_t* x0 = xb.data() + r0 * k;
-          float* y0 = yp + r0 * n + b * 16;
-          switch (std::min<int64_t>(kDotRows, c1 - r0)) {
-            case 1: int8_block<1>(pw, sp + b * 16, x0, k, y0, n); break;
-            case 2: int8_block<2>(pw, sp + b * 16, x0, k, y0, n); break;
-            case 3: int8_block<3>(pw, sp + b * 16, x0, k, y0, n); break;
-            case 4: int8_block<4>(pw, sp + b * 16, x0, k, y0, n); break;
-            case 5: int8_block<5>(pw, sp + b * 16, x0, k, y0, n); break;
-            case 6: int8_block<6>(pw, sp + b * 16, x0, k, y0, n); break;
-            case 7: int8_block<7>(pw, sp + b * 16, x0, k, y0, n); break;
-            default: int8_block<8>(pw, sp + b * 16, x0, k, y0, n); break;
-          }
-        }
-      }
-    }
+  over_blocks(m, blocks, m * n * k, [&](auto rows, int64_t b, int64_t r0) {
+    int8_block<decltype(rows)::value>(pp + b * k * 16, sp + b * 16, xr.bits.data() + r0 * k, k,
+                                      yp + r0 * n + b * 16, n);
   });
   return y;
 }
