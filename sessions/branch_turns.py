@@ -24,6 +24,7 @@ class BranchTurns:
         self.get_session(owner, sid)
         params = self.admission.clamp(params)
         with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
+            restore = self._begin_restore(sid, session)
             history = self.store.messages(sid)
             if history and history[-1]["role"] == "assistant":
                 history.pop()
@@ -33,7 +34,14 @@ class BranchTurns:
             prompt = self.prompts.encode_fitting(convo, params)
             self.admission.reserve(ticket, prompt_to_compute(session, prompt), params)
             return self._start(
-                sid, prompt, params, session, ticket, self._mark_active, history[-1]["id"]
+                sid,
+                prompt,
+                params,
+                session,
+                ticket,
+                restore=restore,
+                on_accept=self._mark_active,
+                reply_parent=history[-1]["id"],
             )
 
     def edit(
@@ -46,6 +54,7 @@ class BranchTurns:
         text = clean_text(text, self.config.max_message_chars)
         params = self.admission.clamp(params)
         with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
+            restore = self._begin_restore(sid, session)
             history = self.store.messages(sid)
             at = next((i for i, m in enumerate(history) if m["id"] == message_id), None)
             if at is None or history[at]["role"] != "user":
@@ -59,7 +68,9 @@ class BranchTurns:
             prompt = self.prompts.encode_fitting(convo, params)
             self.admission.reserve(ticket, prompt_to_compute(session, prompt), params)
             accept = functools.partial(self._add_edit, parent=history[at]["parent_id"], text=text)
-            return self._start(sid, prompt, params, session, ticket, on_accept=accept)
+            return self._start(
+                sid, prompt, params, session, ticket, restore=restore, on_accept=accept
+            )
 
     def edit_last(self, owner: str, sid: str, text: str, params: SamplingParams) -> ChatTurn:
         """`edit` the last user message of the active path."""

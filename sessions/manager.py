@@ -151,6 +151,7 @@ class SessionManager(BranchTurns):
         text = clean_text(text, self.config.max_message_chars)
         params = self.admission.clamp(params)
         with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
+            restore = self._begin_restore(sid, session)
             history = self.store.messages(sid)
             convo = [
                 *conversation(session, history, self.default_system),
@@ -163,7 +164,9 @@ class SessionManager(BranchTurns):
                 update["title"] = " ".join(text.split())[:TITLE_CHARS]
             parent = history[-1]["id"] if history else None
             mid = self.store.add_message(sid, "user", text, parent_id=parent, session_fields=update)
-            return self._start(sid, prompt, params, session, ticket, reply_parent=mid)
+            return self._start(
+                sid, prompt, params, session, ticket, restore=restore, reply_parent=mid
+            )
 
     def prefetch(self, owner: str, sid: str) -> None:
         """The user opened this conversation: bring its KV back while they type."""
@@ -239,6 +242,10 @@ class SessionManager(BranchTurns):
         with self._active_lock:
             self._active.pop(sid, None)
 
+    def _begin_restore(self, sid: str, session: dict) -> Callable[[], str]:
+        """Start bringing a claimed session's KV back for its turn; the turn waits for it."""
+        return self.residency.begin_restore(sid, had_kv=session["token_count"] > 0)
+
     def _start(
         self,
         sid: str,
@@ -246,15 +253,16 @@ class SessionManager(BranchTurns):
         params: SamplingParams,
         session: dict,
         ticket: Ticket,
+        *,
+        restore: Callable[[], str],
         on_accept: Callable[[ChatTurn], None] | None = None,
         reply_parent: int | None = None,
     ) -> ChatTurn:
-        prior = session["token_count"]  # the conversation's tokens before this turn
         turn = ChatTurn(
             sid,
             prompt,
             params,
-            restore=functools.partial(self.residency.restore, sid, had_kv=prior > 0),
+            restore=restore,
             # the KV belongs to the session; the fair share and the prefix cache to its user
             submit=functools.partial(
                 self.engine.submit,

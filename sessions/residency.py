@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from engine import Backend
 from sessions.config import SessionConfig
@@ -49,6 +50,9 @@ class Residency:
         engine.set_memory_pressure_hook(
             lambda short, protected: self.offload.evict(short, protected, self.is_busy)
         )
+        # a turn's restore starts when the turn is asked for and runs while its prompt is built
+        # (tokenizing the conversation, writing the message): the disk read overlaps that work
+        self._restorer = ThreadPoolExecutor(4, thread_name_prefix="crowdchat-restore")
         self._stop = threading.Event()
         self._sweeper = threading.Thread(
             target=self._sweep_loop, name="crowdchat-sweeper", daemon=True
@@ -65,6 +69,13 @@ class Residency:
         if source == "cold" and had_kv:
             self.recomputes += 1
         return source
+
+    def begin_restore(self, sid: str, had_kv: bool) -> Callable[[], str]:
+        """Start `restore` on another thread now; the returned call waits for its answer (and
+        raises its error)."""
+        if not self.engine.keeps_kv:
+            return lambda: "upstream"
+        return self._restorer.submit(self.restore, sid, had_kv).result
 
     def prefetch(self, sid: str, state: str) -> None:
         """The user opened this conversation: bring its KV back while they type."""
@@ -98,6 +109,7 @@ class Residency:
 
     def flush(self) -> None:
         """Shutdown: no more evictions; every session's KV goes to disk."""
+        self._restorer.shutdown(wait=True)
         self.engine.set_memory_pressure_hook(None)
         self.offload.flush()
 

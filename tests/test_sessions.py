@@ -89,6 +89,33 @@ def test_persist_and_restore_change_nothing_also_across_restart(
         close_sessions(engine, sm)
 
 
+def test_a_turn_starts_its_restore_before_the_reply_is_read(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    """The KV of a persisted session comes back while the turn's prompt is built: it is
+    resident before anyone iterates the turn, and the turn still says it came from disk. A
+    regenerate and an edit do the same."""
+    engine, sm = make_sessions(nf4_model, tmp_path)
+    try:
+        sid = sm.create_session("u")["id"]
+        sm.chat("u", sid, Q1, GREEDY).result()
+        starts = [
+            lambda: sm.chat("u", sid, Q2, GREEDY),
+            lambda: sm.regenerate("u", sid, GREEDY),
+            lambda: sm.edit_last("u", sid, Q1, GREEDY),
+        ]
+        for start in starts:
+            assert sm.persist_now(sid) and sid not in engine.resident_kv()
+            turn = start()
+            deadline = time.monotonic() + 30
+            while sid not in engine.resident_kv() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert sid in engine.resident_kv() and turn.status == "restoring"
+            assert turn.result() and turn.restored_from == "disk"
+    finally:
+        close_sessions(engine, sm)
+
+
 def corrupt(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
