@@ -28,6 +28,10 @@ class PrefillChunk:
     end: int
     context_slots: torch.Tensor | None  # [L] cached + new slots; None: no cached prefix
     mask: torch.Tensor | None  # [n, L] bool, causal with the cached prefix
+    # for the CPU kernel instead of the two above: the sequence's blocks and how many of its
+    # tokens come before the chunk
+    blocks: torch.Tensor | None = None  # [nblk] int64
+    cached: int = 0
 
 
 @dataclass
@@ -54,6 +58,8 @@ class StepMetadata:
     # the CPU kernel that reads decodes' K/V from their blocks (engine.cpu_kernels); None:
     # gather them (CUDA, or where it could not be built)
     decode_kernel: Kernel | None = None
+    # its sibling for prefill chunks that carry `blocks`
+    prefill_kernel: Kernel | None = None
 
 
 def paged_attention(
@@ -94,6 +100,12 @@ def paged_attention(
         k, v = k.to(query.dtype), v.to(query.dtype)
         out[g.start : g.end] = _decode_attention(query[0, :, g.start : g.end], k, v, g.pad, scaling)
     for c in meta.prefills:
+        if c.blocks is not None:
+            assert meta.prefill_kernel is not None
+            q = query[0, :, c.start : c.end].transpose(0, 1).float().contiguous()  # [n, H, D]
+            scale = d**-0.5 if scaling is None else scaling
+            out[c.start : c.end] = meta.prefill_kernel(q, kc, vc, c.blocks, c.cached, bs, scale)
+            continue
         q = query[:, :, c.start : c.end]  # [1, H, n, D]
         if c.context_slots is None:
             # as the pool stores them: the same K/V whether a prompt is prefilled in one

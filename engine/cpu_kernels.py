@@ -9,6 +9,11 @@
   cores, and merges them as flash-decoding does: 3-4x faster than the gather at 32 rows of 200
   tokens and at one row of 6,000 (bench/kernel_speed.py). PyTorch has no paged attention for
   the CPU (flex_attention over a paged block mask compiled, and ran ~15x slower than the gather).
+  `paged_prefill_attention`, the same work items for a short prefill chunk after cached tokens
+  (a returning user's next message, a long prompt's later chunks): its n x G query vectors
+  per KV head share each widened block, and each query's output is bitwise the decode
+  kernel's for that token, where the gather path copied the whole context into a dense tensor
+  and SDPA took an explicit mask.
 - `q4_linear` (`csrc/q4_linear.cpp`): the 4-bit weights' matmul for few rows where compute is
   float32 (engine.cpu_quant): PyTorch's int4 kernel widens bfloat16 activations group by group
   on CPUs without native bfloat16; this one widens each group's weights once for up to 4 rows.
@@ -85,6 +90,12 @@ def loaded() -> bool:
 def decode_attention() -> Kernel | None:
     """The paged decode attention op, or None where the kernels cannot be built."""
     return torch.ops.crowdchat.paged_decode_attention if load() else None
+
+
+def prefill_attention() -> Kernel | None:
+    """The paged attention op for a prefill chunk after cached tokens, or None where the kernels
+    cannot be built."""
+    return torch.ops.crowdchat.paged_prefill_attention if load() else None
 
 
 def q4_dot_layout() -> bool:

@@ -1,7 +1,8 @@
 """The CPU decode attention kernel (engine/csrc/paged_decode.cpp) against attention computed in
 float64 from the same blocks: seeded random shapes, pool dtypes, block tables and lengths
 (chunk edges included); a sequence's output does not depend on the rest of its batch; bad
-tables and lengths raise instead of reading outside the pool. Then the steps' glue ops:
+tables and lengths raise instead of reading outside the pool. Its prefill sibling: causal
+within float64 and bitwise the decode of each token. Then the steps' glue ops:
 `rope_store`, `round_to_bf16` and `silu_mul` bitwise what Python and ATen compute, and bad inputs
 refused (the whole layer's bitwise equality is tests/test_lean_llama.py's)."""
 
@@ -105,6 +106,77 @@ def test_bad_tables_lengths_and_shapes_raise_instead_of_reading_outside_the_pool
         with pytest.raises(RuntimeError, match=message.strip()):
             run(kernel, case)
     assert (run(kernel, c).double() - reference(c)).abs().max() < 2e-5  # still fine after
+
+
+def prefill_case(rng: random.Random, gen: torch.Generator) -> dict:
+    """One sequence: `start` cached tokens, then a chunk of n; its table over a shuffled pool."""
+    c = random_case(rng, gen)
+    n = rng.choice([1, 2, 7, 16, 33, 64])
+    start = rng.choice([0, 1, c["bs"] - 1, CHUNK - 3, CHUNK, rng.randint(1, 1300)])
+    bs = c["bs"]
+    nblk = -(-(start + n) // bs) + rng.randint(0, 2)
+    pool_blocks = nblk + rng.randint(0, 20)
+    hkv, _, d = c["k"].shape
+    return {
+        "q": torch.randn(n, c["q"].shape[1], d, generator=gen),
+        "k": torch.randn(hkv, pool_blocks * bs, d, generator=gen).to(c["k"].dtype),
+        "v": torch.randn(hkv, pool_blocks * bs, d, generator=gen).to(c["k"].dtype),
+        "blocks": torch.randperm(pool_blocks, generator=gen)[:nblk].contiguous(),
+        "start": start,
+        "bs": bs,
+        "scale": c["scale"],
+    }
+
+
+def prefill(c: dict) -> torch.Tensor:
+    op = torch.ops.crowdchat.paged_prefill_attention
+    return op(c["q"], c["k"], c["v"], c["blocks"], c["start"], c["bs"], c["scale"])
+
+
+def as_decodes(c: dict) -> dict:
+    """The chunk's tokens as decodes of one sequence at contexts start + 1 .. start + n."""
+    n = c["q"].shape[0]
+    return dict(
+        c,
+        table=c["blocks"].expand(n, -1).contiguous(),
+        lens=torch.arange(c["start"] + 1, c["start"] + n + 1),
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_prefill_chunk_is_causal_attention_and_bitwise_the_decode_of_each_token(
+    kernel, seed: int
+) -> None:
+    """Query i of a chunk attends positions up to start + i: within float64 attention of those,
+    and bitwise what the decode kernel gives the same token at the same context."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    for _ in range(8):
+        c = prefill_case(rng, gen)
+        got = prefill(c)
+        assert got.dtype == torch.float32 and got.shape == c["q"].shape
+        decodes = as_decodes(c)
+        assert (got.double() - reference(decodes)).abs().max() < 2e-5
+        assert torch.equal(got, run(kernel, decodes))
+
+
+def test_bad_prefill_chunks_raise_instead_of_reading_outside_the_pool(kernel) -> None:
+    c = prefill_case(random.Random(5), torch.Generator().manual_seed(5))
+    pool_blocks, covered = c["k"].shape[1] // c["bs"], c["blocks"].numel() * c["bs"]
+    n = c["q"].shape[0]
+    bad = {
+        "block id out of range": dict(c, blocks=c["blocks"].clone().fill_(pool_blocks)),
+        "block id out of range ": dict(c, blocks=c["blocks"].clone().fill_(-1)),
+        "start out of range": dict(c, start=-1),
+        "start out of range ": dict(c, start=covered - n + 1),
+        "q: contiguous float32": dict(c, q=c["q"].double()),
+        "n >= 1": dict(c, q=c["q"][:0]),
+        "one dtype": dict(c, v=c["v"].double()),
+        "blocks: contiguous int64": dict(c, blocks=c["blocks"].int()),
+    }
+    for message, case in bad.items():
+        with pytest.raises(RuntimeError, match=message.strip()):
+            prefill(case)
+    assert torch.equal(prefill(c), run(kernel, as_decodes(c)))  # still fine after
 
 
 @pytest.mark.parametrize("seed", range(4))

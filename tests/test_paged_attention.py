@@ -1,6 +1,7 @@
 """Decode attention on the CPU reads each sequence's own blocks (engine.cpu_kernels); where it
 gathers instead (CUDA, no kernel) it groups decodes by context length, so one long conversation
-costs its own context. Either way the logits change by rounding only."""
+costs its own context. Either way the logits change by rounding only. A short prefill chunk
+after cached tokens attends on the CPU kernel too, as its gather path to rounding."""
 
 from __future__ import annotations
 
@@ -117,4 +118,47 @@ def test_fp32_decode_logits_agree_between_the_kernel_the_gather_paths_and_solo_r
     for other in (kernel, padded, solo):
         assert torch.equal(grouped.argmax(-1), other.argmax(-1))
         assert ((grouped - other).abs() / other.std(dim=-1, keepdim=True)).max() < 1e-4
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("chunk", [1, 23, model_runner.PREFILL_KERNEL_TOKENS])
+def test_fp32_a_chunk_after_cached_tokens_agrees_on_the_kernel_and_the_gather(
+    fp32_model: LoadedModel, tmp_path: Path, chunk: int
+) -> None:
+    """A returning user's message: a chunk prefilled after ~1,500 cached tokens attends on the
+    CPU kernel (`paged_prefill_attention`) up to PREFILL_KERNEL_TOKENS tokens; its logits agree
+    with the gather and SDPA path in argmax and to rounding, and so does the K/V it leaves."""
+    rng = random.Random(chunk)
+    toks = [rng.randrange(100, 40000) for _ in range(1500 + chunk)]
+    engine = make_engine(fp32_model, tmp_path, kv_budget_mb=512)
+    engine.shutdown()  # drive the runner directly on this thread
+    runner, calls = engine.runner, []
+    kernel = runner.prefill_kernel
+    assert kernel is not None
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return kernel(*args)
+
+    def run(attend: object) -> tuple[torch.Tensor, torch.Tensor]:
+        runner.prefill_kernel = attend
+        s = Sequence(list(toks), GREEDY)
+        s.block_table = engine.pool.allocate(engine.pool.blocks_for(s.num_tokens))
+        try:
+            runner.forward(StepPlan(prefills=[(s, 1500)]))
+            s.num_computed = 1500
+            logits = runner.forward(StepPlan(prefills=[(s, chunk)])).float()
+            return logits, engine.cache.export(s.block_table, s.num_tokens)[0]
+        finally:
+            engine.pool.free(s.block_table)
+
+    try:
+        (fast, k_fast), (gathered, k_gathered) = run(counted), run(None)
+    finally:
+        runner.prefill_kernel = kernel
+    assert calls == [chunk] * fp32_model.num_layers
+    assert torch.equal(fast.argmax(-1), gathered.argmax(-1))
+    assert ((fast - gathered).abs() / gathered.std(dim=-1, keepdim=True)).max() < 1e-4
+    assert torch.equal(k_fast[:, :1500], k_gathered[:, :1500])
+    assert (k_fast - k_gathered).abs().max() < 1e-3 * k_gathered.abs().max()
     engine.check_integrity()

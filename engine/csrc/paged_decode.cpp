@@ -26,6 +26,7 @@
 namespace {
 
 constexpr int64_t kChunk = 512;  // tokens per work item
+constexpr int64_t kQueryTile = 16;  // a prefill chunk's tokens per work item
 // below this many (token, KV head) pairs in a call, one thread does it all: waking the other
 // threads (passive OpenMP waits, engine/threads.py) costs more than they would save (2-core
 // EPYC: one row of 200 tokens, 3 KV heads, ~40 us alone, ~60 with the second thread woken)
@@ -64,14 +65,20 @@ struct Item {
   int64_t seq, kv_head, chunk;
 };
 
+// How many of the keys [t0, t0 + n) query g attends: all of them, or those before `limit[g]`
+// (a prefill chunk's causal mask: query i sees positions up to its own)
+inline int64_t valid_keys(const int64_t* limit, int64_t g, int64_t t0, int64_t n) {
+  return limit ? std::clamp<int64_t>(limit[g] - t0, 0, n) : n;
+}
+
 // One work item: query heads [G, D] (scaled) against tokens [t0, t1) of one sequence and one
 // KV head; leaves each head's max score, sum of exp and exp-weighted V sum in `part`.
 // `DIM` is the head size when known at compile time (0: `d`), so the loops over it unroll.
 template <typename T, int DIM>
 void attend_chunk(const float* __restrict q, const T* __restrict kh, const T* __restrict vh,
                   const int64_t* __restrict blocks, int64_t bs, int64_t t0, int64_t t1,
-                  int64_t G, int64_t d_runtime, float* __restrict scores, float* __restrict buf,
-                  float* __restrict part) {
+                  int64_t G, int64_t d_runtime, const int64_t* __restrict limit,
+                  float* __restrict scores, float* __restrict buf, float* __restrict part) {
   const int64_t D = DIM ? DIM : d_runtime, n = t1 - t0, stride = D + 2;
   // scores: a block's K rows are contiguous in the pool; widen them once, then four tokens
   // at a time per head (four independent sums in flight)
@@ -106,11 +113,12 @@ void attend_chunk(const float* __restrict q, const T* __restrict kh, const T* __
   }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * kChunk;
+    const int64_t nv = valid_keys(limit, g, t0, n);
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
+    for (int64_t t = 0; t < nv; ++t) m = std::max(m, sg[t]);
     float l = 0.f;
 #pragma omp simd reduction(+ : l)
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = 0; t < nv; ++t) {
       sg[t] = exp_nonpositive(sg[t] - m);
       l += sg[t];
     }
@@ -125,7 +133,8 @@ void attend_chunk(const float* __restrict q, const T* __restrict kh, const T* __
     for (int64_t g = 0; g < G; ++g) {
       const float* w = scores + g * kChunk + t;
       float* __restrict acc = part + g * stride + 2;
-      for (int64_t r = 0; r < rows; ++r) {
+      const int64_t used = std::min(rows, valid_keys(limit, g, t0, n) - t);
+      for (int64_t r = 0; r < used; ++r) {
         const float wr = w[r];
         const float* vr = buf + r * D;
 #pragma omp simd
@@ -197,8 +206,9 @@ inline void prefetch_rows(const T* p, int64_t bytes) {
 template <typename T, int DIM>
 void attend_chunk_avx512(const float* __restrict q, const T* __restrict kh,
                          const T* __restrict vh, const int64_t* __restrict blocks, int64_t bs,
-                         int64_t t0, int64_t t1, int64_t G, float* __restrict scores,
-                         float* __restrict buf, float* __restrict part) {
+                         int64_t t0, int64_t t1, int64_t G, const int64_t* __restrict limit,
+                         float* __restrict scores, float* __restrict buf,
+                         float* __restrict part) {
   constexpr int NV = DIM / 16;  // vectors per row
   const int64_t n = t1 - t0, stride = DIM + 2;
   // one block's rows (at most kMaxBlock) at a time
@@ -251,15 +261,16 @@ void attend_chunk_avx512(const float* __restrict q, const T* __restrict kh,
   }
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * kChunk;
+    const int64_t nv = valid_keys(limit, g, t0, n);
     __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t t = 0;
-    for (; t + 16 <= n; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
+    for (; t + 16 <= nv; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
     float m = _mm512_reduce_max_ps(mv);
-    for (; t < n; ++t) m = std::max(m, sg[t]);
+    for (; t < nv; ++t) m = std::max(m, sg[t]);
     const __m512 mb = _mm512_set1_ps(m);
     __m512 lv = _mm512_setzero_ps();
-    for (t = 0; t < n; t += 16) {
-      const __mmask16 k = static_cast<__mmask16>(n - t >= 16 ? 0xffff : (1u << (n - t)) - 1);
+    for (t = 0; t < nv; t += 16) {
+      const __mmask16 k = static_cast<__mmask16>(nv - t >= 16 ? 0xffff : (1u << (nv - t)) - 1);
       const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + t), mb));
       _mm512_mask_storeu_ps(sg + t, k, e);
       lv = _mm512_add_ps(lv, _mm512_maskz_mov_ps(k, e));
@@ -278,9 +289,11 @@ void attend_chunk_avx512(const float* __restrict q, const T* __restrict kh,
     for (int64_t g = 0; g < G; ++g) {
       const float* w = scores + g * kChunk + t;
       float* acc = part + g * stride + 2;
+      const int64_t used = std::min(rows, valid_keys(limit, g, t0, n) - t);
+      if (used <= 0) continue;
       __m512 a[NV];
       for (int j = 0; j < NV; ++j) a[j] = _mm512_loadu_ps(acc + 16 * j);
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = 0; r < used; ++r) {
         const __m512 wr = _mm512_set1_ps(w[r]);
         for (int j = 0; j < NV; ++j)
           a[j] = _mm512_fmadd_ps(wr, _mm512_loadu_ps(buf + r * DIM + 16 * j), a[j]);
@@ -291,6 +304,42 @@ void attend_chunk_avx512(const float* __restrict q, const T* __restrict kh,
   }
 }
 #endif
+
+// One work item on the best loop this CPU and head size have
+template <typename T>
+void attend(const float* q, const T* kh, const T* vh, const int64_t* blocks, int64_t bs,
+            int64_t t0, int64_t t1, int64_t G, int64_t D, const int64_t* limit, float* scores,
+            float* buf, float* part) {
+#if defined(__AVX512F__)
+  if (D == 64)
+    return attend_chunk_avx512<T, 64>(q, kh, vh, blocks, bs, t0, t1, G, limit, scores, buf,
+                                      part);
+  if (D == 128)
+    return attend_chunk_avx512<T, 128>(q, kh, vh, blocks, bs, t0, t1, G, limit, scores, buf,
+                                       part);
+#endif
+  if (D == 64)
+    return attend_chunk<T, 64>(q, kh, vh, blocks, bs, t0, t1, G, D, limit, scores, buf, part);
+  if (D == 128)
+    return attend_chunk<T, 128>(q, kh, vh, blocks, bs, t0, t1, G, D, limit, scores, buf, part);
+  attend_chunk<T, 0>(q, kh, vh, blocks, bs, t0, t1, G, D, limit, scores, buf, part);
+}
+
+// One query's output from its `chunks` partials (max, sum of exp, V sums; `step` floats
+// apart), merged in chunk order
+inline void merge(const float* p0, int64_t chunks, int64_t step, int64_t D, float* o) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < chunks; ++c) m = std::max(m, p0[c * step]);
+  float l = 0.f;
+  std::fill_n(o, D, 0.f);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* pc = p0 + c * step;
+    const float w = std::exp(pc[0] - m);
+    l += pc[1] * w;
+    for (int64_t d = 0; d < D; ++d) o[d] += pc[2 + d] * w;
+  }
+  for (int64_t d = 0; d < D; ++d) o[d] /= l;
+}
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& table,
@@ -331,21 +380,7 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
       const T* vh = vp + it.kv_head * S * D;
       const int64_t* blocks = tp + it.seq * NB;
       float* pi = part.data() + i * G * stride;
-#if defined(__AVX512F__)
-      if (D == 64)
-        attend_chunk_avx512<T, 64>(qg, kh, vh, blocks, bs, t0, t1, G, scores.data(), buf.data(),
-                                   pi);
-      else if (D == 128)
-        attend_chunk_avx512<T, 128>(qg, kh, vh, blocks, bs, t0, t1, G, scores.data(),
-                                    buf.data(), pi);
-      else
-#endif
-      if (D == 64)
-        attend_chunk<T, 64>(qg, kh, vh, blocks, bs, t0, t1, G, D, scores.data(), buf.data(), pi);
-      else if (D == 128)
-        attend_chunk<T, 128>(qg, kh, vh, blocks, bs, t0, t1, G, D, scores.data(), buf.data(), pi);
-      else
-        attend_chunk<T, 0>(qg, kh, vh, blocks, bs, t0, t1, G, D, scores.data(), buf.data(), pi);
+      attend<T>(qg, kh, vh, blocks, bs, t0, t1, G, D, nullptr, scores.data(), buf.data(), pi);
     }
   });
 
@@ -353,23 +388,68 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   for (int64_t b = 0; b < B; ++b) {
     const int64_t chunks = (first[b + 1] - first[b]) / HKV;
     for (int64_t h = 0; h < HKV; ++h) {
-      for (int64_t g = 0; g < G; ++g) {
-        const float* p0 = part.data() + ((first[b] + h * chunks) * G + g) * stride;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t c = 0; c < chunks; ++c) m = std::max(m, p0[c * G * stride]);
-        float l = 0.f;
-        float* o = op + (b * H + h * G + g) * D;
-        std::fill_n(o, D, 0.f);
-        for (int64_t c = 0; c < chunks; ++c) {
-          const float* pc = p0 + c * G * stride;
-          const float w = std::exp(pc[0] - m);
-          l += pc[1] * w;
-          for (int64_t d = 0; d < D; ++d) o[d] += pc[2 + d] * w;
-        }
-        for (int64_t d = 0; d < D; ++d) o[d] /= l;
-      }
+      for (int64_t g = 0; g < G; ++g)
+        merge(part.data() + ((first[b] + h * chunks) * G + g) * stride, chunks, G * stride, D,
+              op + (b * H + h * G + g) * D);
     }
   }
+}
+
+// A prefill chunk of n tokens at positions [start, start + n) of one sequence whose K/V (the
+// cached ones and the chunk's own) are in the pool. A work item takes the G query vectors of
+// up to kQueryTile tokens at once (a block's K and V rows widened once for all of them); query
+// i attends positions up to start + i. Every query's chunks, sums and merge are those of a
+// decode of the same token at the same context, so its output is bitwise the decode kernel's.
+template <typename T>
+void run_prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                 const int64_t* blocks, int64_t start, int64_t bs, double scale, at::Tensor& out) {
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t HKV = kc.size(0), S = kc.size(1), G = H / HKV, M = n * G;
+  const int64_t len = start + n, chunks = (len + kChunk - 1) / kChunk, stride = D + 2;
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const float* qp = q.data_ptr<float>();
+  // per KV head its M = n x G query vectors (m = i * G + g), scaled once, and their limits
+  std::vector<float> qs(HKV * M * D);
+  std::vector<int64_t> limit(M);
+  for (int64_t h = 0; h < HKV; ++h)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t g = 0; g < G; ++g) {
+        const float* src = qp + (i * H + h * G + g) * D;
+        float* dst = qs.data() + (h * M + i * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * static_cast<float>(scale);
+        limit[i * G + g] = start + i + 1;
+      }
+  // work items: (KV head, chunk of keys, tile of kQueryTile tokens' queries), but none for a
+  // chunk that starts after all of its tile's queries' positions
+  struct PrefillItem {
+    int64_t h, t0, m0, m1;
+  };
+  std::vector<PrefillItem> items;
+  for (int64_t h = 0; h < HKV; ++h)
+    for (int64_t t0 = 0; t0 < len; t0 += kChunk)
+      for (int64_t i0 = 0; i0 < n; i0 += kQueryTile) {
+        const int64_t i1 = std::min(n, i0 + kQueryTile);
+        if (t0 < start + i1) items.push_back({h, t0, i0 * G, i1 * G});
+      }
+  std::vector<float> part(HKV * chunks * M * stride);
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, n_items, len * HKV < kSerialWork ? n_items + 1 : 1, [&](int64_t lo,
+                                                                              int64_t hi) {
+    std::vector<float> scores(kQueryTile * G * kChunk), buf(kMaxBlock * D);
+    for (int64_t i = lo; i < hi; ++i) {
+      const PrefillItem it = items[i];
+      float* pi = part.data() + ((it.h * chunks + it.t0 / kChunk) * M + it.m0) * stride;
+      attend<T>(qs.data() + (it.h * M + it.m0) * D, kp + it.h * S * D, vp + it.h * S * D, blocks,
+                bs, it.t0, std::min(len, it.t0 + kChunk), it.m1 - it.m0, D,
+                limit.data() + it.m0, scores.data(), buf.data(), pi);
+    }
+  });
+  float* op = out.data_ptr<float>();
+  for (int64_t h = 0; h < HKV; ++h)
+    for (int64_t m = 0; m < M; ++m)
+      merge(part.data() + (h * chunks * M + m) * stride, (limit[m] + kChunk - 1) / kChunk,
+            M * stride, D, op + ((m / G) * H + h * G + m % G) * D);
 }
 
 }  // namespace
@@ -410,14 +490,43 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& blocks,
+                                   int64_t start, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.size(0),
+              "q: contiguous float32 [n, H, D], n >= 1");
+  check_pool(k_cache, v_cache);
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), HKV = k_cache.size(0);
+  TORCH_CHECK(k_cache.size(2) == D && D <= kMaxDim && H % HKV == 0, "head shapes differ");
+  TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kLong && blocks.is_contiguous(),
+              "blocks: contiguous int64 [blocks]");
+  TORCH_CHECK(block_size > 0 && block_size <= kMaxBlock && k_cache.size(1) % block_size == 0,
+              "block_size");
+  const int64_t pool_blocks = k_cache.size(1) / block_size, len = start + n;
+  TORCH_CHECK(start >= 0 && len <= blocks.size(0) * block_size, "start out of range");
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  for (int64_t j = 0; j < (len + block_size - 1) / block_size; ++j)
+    TORCH_CHECK(bp[j] >= 0 && bp[j] < pool_blocks, "block id out of range");
+  auto out = at::empty({n, H, D}, q.options());
+  with_pool_type(k_cache.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    run_prefill<T>(q, k_cache, v_cache, bp, start, block_size, scale, out);
+  });
+  return out;
+}
+
 }  // namespace crowdchat
 
 TORCH_LIBRARY(crowdchat, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
       "Tensor context_lens, int block_size, float scale) -> Tensor");
+  m.def(
+      "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, "
+      "int start, int block_size, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
   m.impl("paged_decode_attention", &crowdchat::paged_decode_attention);
+  m.impl("paged_prefill_attention", &crowdchat::paged_prefill_attention);
 }
