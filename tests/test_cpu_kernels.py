@@ -2,9 +2,10 @@
 float64 from the same blocks: seeded random shapes, pool dtypes, block tables and lengths
 (chunk edges included); a sequence's output does not depend on the rest of its batch; bad
 tables and lengths raise instead of reading outside the pool. Its prefill sibling: causal
-within float64 and bitwise the decode of each token. Then the steps' glue ops:
-`rope_store`, `round_to_bf16` and `silu_mul` bitwise what Python and ATen compute, and bad inputs
-refused (the whole layer's bitwise equality is tests/test_lean_llama.py's)."""
+within float64 and bitwise the decode of each token. A restore's copy into the pool. Then the
+steps' glue ops: `rope_store`, `round_to_bf16` and `silu_mul` bitwise what Python and ATen
+compute, and bad inputs refused (the whole layer's bitwise equality is
+tests/test_lean_llama.py's)."""
 
 from __future__ import annotations
 
@@ -177,6 +178,32 @@ def test_bad_prefill_chunks_raise_instead_of_reading_outside_the_pool(kernel) ->
         with pytest.raises(RuntimeError, match=message.strip()):
             prefill(case)
     assert torch.equal(prefill(c), run(kernel, as_decodes(c)))  # still fine after
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_kv_scatter_writes_what_index_copy_writes_and_refuses_bad_slots(kernel, dtype) -> None:
+    """A restore's copy into the pool: bitwise ATen's index_copy_ of the transposed export,
+    for a few tokens (one thread) and many (all cores); bad inputs raise, the pool untouched."""
+    gen = torch.Generator().manual_seed(0)
+    for layers, heads, slots, d, t in [(2, 3, 64, 64, 5), (30, 3, 4096, 64, 2005)]:
+        pool = torch.randn(layers, heads, slots, d, generator=gen).to(dtype)
+        kv = torch.randn(layers, t, heads, d, generator=gen).to(dtype)
+        idx = torch.randperm(slots, generator=gen)[:t]
+        expected = pool.clone().index_copy_(2, idx, kv.transpose(1, 2))
+        before = pool.clone()
+        bad = {
+            "slot out of range": (kv, idx.clone().fill_(slots)),
+            "slot out of range ": (kv, idx.clone().fill_(-1)),
+            "slots: contiguous int64": (kv, idx[:-1]),
+            "differ in dtype": (kv.double(), idx),
+            "kv: contiguous": (kv.transpose(1, 2), idx),
+        }
+        for message, (x, i) in bad.items():
+            with pytest.raises(RuntimeError, match=message.strip()):
+                torch.ops.crowdchat.kv_scatter(pool, x, i)
+        assert torch.equal(pool.view(torch.uint8), before.view(torch.uint8))
+        torch.ops.crowdchat.kv_scatter(pool, kv, idx)
+        assert torch.equal(pool.view(torch.uint8), expected.view(torch.uint8))
 
 
 @pytest.mark.parametrize("seed", range(4))
