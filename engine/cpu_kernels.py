@@ -23,6 +23,8 @@
   decode step (engine.lean_llama `_decodes`, engine.lean_norm), one call each where Python made
   ~20 and ~10 ATen calls, computing bitwise the same values; `decode_layer`
   (`csrc/decode_layer.cpp`): a whole layer of a few-row decode step over these, from C++.
+- `kv_scatter` (`csrc/kv_copy.cpp`): a restore's copy of exported K/V into the pool, one
+  `memcpy` per row over all cores, 2x faster than `index_copy_` of the transposed export.
 
 They are built with PyTorch's own extension builder (a C++ compiler and ninja; ~1 minute on 2
 cores) into `~/.cache/crowdchat/kernels/`, `-march=native` for the CPU they run on; `make`
