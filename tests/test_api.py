@@ -342,12 +342,15 @@ def test_the_prefix_cache_shows_in_the_header_and_metrics_and_is_per_key(live: L
 
 def test_metrics_show_served_tokens_per_identity_by_hash(live: LiveServer) -> None:
     key = "fair-share-key-7"
-    live.client(key).chat.completions.create(model=MODEL, messages=HI, max_tokens=5)
+    five = {"ignore_eos": True}  # 5 tokens each: sampled at temperature 1, EOS may come sooner
+    live.client(key).chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=5, extra_body=five
+    )
     sid = httpx.post(
         f"{live.url}/v1/sessions", headers={"authorization": f"Bearer {key}"}, json={}
     ).json()["id"]
     live.client(key).chat.completions.create(
-        model=MODEL, messages=HI, max_tokens=5, extra_headers={"x-session-id": sid}
+        model=MODEL, messages=HI, max_tokens=5, extra_headers={"x-session-id": sid}, extra_body=five
     )
     text = httpx.get(f"{live.url}/metrics", timeout=30).text
     assert key not in text and owner(key) not in text  # neither the key nor its identity
