@@ -51,7 +51,8 @@ class Residency:
             lambda short, protected: self.offload.evict(short, protected, self.is_busy)
         )
         # a turn's restore starts when the turn is asked for and runs while its prompt is built
-        # (tokenizing the conversation, writing the message): the disk read overlaps that work
+        # (tokenizing the conversation, writing the message): the disk read overlaps that work;
+        # prefetches run here too, and shutdown waits for both
         self._restorer = ThreadPoolExecutor(4, thread_name_prefix="crowdchat-restore")
         self._stop = threading.Event()
         self._sweeper = threading.Thread(
@@ -80,7 +81,7 @@ class Residency:
     def prefetch(self, sid: str, state: str) -> None:
         """The user opened this conversation: bring its KV back while they type."""
         if state == SessionState.PERSISTED and self.engine.keeps_kv and not self.is_busy(sid):
-            threading.Thread(target=self._prefetch, args=(sid,), daemon=True).start()
+            self._restorer.submit(self._prefetch, sid)
 
     def persist_now(self, sid: str) -> bool:
         """Admin: write the session's KV to disk and free its blocks now."""

@@ -116,6 +116,27 @@ def test_a_turn_starts_its_restore_before_the_reply_is_read(
         close_sessions(engine, sm)
 
 
+def test_opening_a_persisted_conversation_prefetches_its_kv(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    """`prefetch` (the page opened the conversation) brings the KV back in the background
+    and records it resident; the next turn then finds it resident."""
+    engine, sm = make_sessions(nf4_model, tmp_path)
+    try:
+        sid = sm.create_session("u")["id"]
+        sm.chat("u", sid, Q1, GREEDY).result()
+        assert sm.persist_now(sid) and sid not in engine.resident_kv()
+        sm.prefetch("u", sid)
+        deadline = time.monotonic() + 30
+        while sm.get_session("u", sid)["state"] != "resident" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sm.get_session("u", sid)["state"] == "resident" and sid in engine.resident_kv()
+        turn = sm.chat("u", sid, Q2, GREEDY)
+        assert turn.result() and turn.restored_from == "resident"
+    finally:
+        close_sessions(engine, sm)
+
+
 def corrupt(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF

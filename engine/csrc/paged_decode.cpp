@@ -397,13 +397,13 @@ void run_prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
   // per KV head its M = n x G query vectors (m = i * G + g), scaled once, and their limits
   std::vector<float> qs(HKV * M * D);
   std::vector<int64_t> limit(M);
+  for (int64_t m = 0; m < M; ++m) limit[m] = start + m / G + 1;
   for (int64_t h = 0; h < HKV; ++h)
     for (int64_t i = 0; i < n; ++i)
       for (int64_t g = 0; g < G; ++g) {
         const float* src = qp + (i * H + h * G + g) * D;
         float* dst = qs.data() + (h * M + i * G + g) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * static_cast<float>(scale);
-        limit[i * G + g] = start + i + 1;
       }
   // work items: (KV head, chunk of keys, tile of kQueryTile tokens' queries), but none for a
   // chunk that starts after all of its tile's queries' positions
