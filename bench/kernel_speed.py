@@ -36,6 +36,8 @@ from engine.sequence import Sequence  # noqa: E402
 
 MODES = {
     "int4_default": {"quant": "nf4"},
+    # the AVX512 4-bit kernel with bfloat16 activations, not int8 ones (--cpu-activations)
+    "int4_bf16_activations": {"quant": "nf4", "cpu_activations": "bfloat16"},
     # PyTorch's int4 kernel where crowdchat's would run (before it)
     "torch_int4_kernel": {"quant": "nf4", "torch_q4": True},
     # the dense copy in the compute dtype above 16 rows (the default before FBGEMM's float16)

@@ -106,6 +106,12 @@ def q4_dot_layout() -> bool:
     return load() and torch.ops.crowdchat.q4_dot_layout()
 
 
+def q8_activations() -> bool:
+    """Whether the AVX512-BF16 4-bit kernel was also built with its int8-activation variant
+    (AVX512-VNNI; `--cpu-activations`)."""
+    return load() and bool(torch.ops.crowdchat.q8_activations())
+
+
 def q4_linear() -> Kernel | None:
     """The 4-bit weights' few-row matmul op, or None where the kernels cannot be built."""
     return torch.ops.crowdchat.q4_linear if load() else None

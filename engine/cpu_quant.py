@@ -142,9 +142,13 @@ class QuantLinear(nn.Module):
 class Int4Linear(QuantLinear):
     """y = x W^T with W in 4 bits, groups of 32 along K, each `(q - 8) * scale + zero`: on
     PyTorch's int4 kernel, or with `own` (float32 compute) on crowdchat's (engine.cpu_kernels),
-    1.2-1.9x faster a call on the 2-core AVX2 EPYC (README "Which kernel runs where")."""
+    1.2-1.9x faster a call on the 2-core AVX2 EPYC (README "Which kernel runs where"). With
+    `q8` too, where the AVX512 kernel has AVX512-VNNI, x is rounded to int8 per group of 32
+    (llama.cpp's Q8 activations) instead of bfloat16: ~1.9x faster at 8-32 rows."""
 
-    def __init__(self, weight: torch.Tensor, dense: DenseKind | None, own: bool = False) -> None:
+    def __init__(
+        self, weight: torch.Tensor, dense: DenseKind | None, own: bool = False, q8: bool = False
+    ) -> None:
         n, k = weight.shape
         g = GROUP_SIZE
         w = weight.detach().float().view(n, k // g, g)
@@ -164,8 +168,11 @@ class Int4Linear(QuantLinear):
         super().__init__(n, k, copy, dense.rows if dense else 0)
         self.group_size = g
         self.own = own
+        self.q8 = False
         if own and n % 16 == 0 and cpu_kernels.q4_dot_layout():
-            packed, sz = pack_for_dot(q, sz)  # the AVX512-BF16 kernel's layout
+            self.q8 = q8 and cpu_kernels.q8_activations()
+            # the AVX512-BF16 kernel's layout (float32 scales: its int8-activation variant)
+            packed, sz = pack_for_dot(q, sz, self.q8)
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales_zeros", sz, persistent=False)
         elif own:  # csrc/q4_linear.cpp's layout: q[j] and q[j + 16] share byte j of a group
@@ -189,23 +196,32 @@ class Int4Linear(QuantLinear):
         return y.to(x.dtype)
 
 
-def pack_for_dot(q: torch.Tensor, sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_for_dot(
+    q: torch.Tensor, sz: torch.Tensor, q8: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """csrc/q4_linear.cpp's AVX512-BF16 layout of `q` (int [N, K], 0..15) and `sz` (bfloat16
     [K/32, N, 2]): columns in blocks of 16; per 4 values of K 32 bytes, byte i for column
     i // 2, its low nibble K = 4t + i % 2, its high one 4t + 2 + i % 2 (the bfloat16 pairs
-    `vdpbf16ps` multiplies); scales, then zeros, of a block's 16 columns side by side."""
+    `vdpbf16ps` multiplies); scales, then zeros, of a block's 16 columns side by side. With
+    `q8` (the int8-activation kernel) float32 scales, then offsets `zero - 8 scale` (exact)."""
     n, k = q.shape
     quads = q.to(torch.uint8).view(n // 16, 16, k // 4, 2, 2)  # block, column, t, half, i % 2
     byte = quads[..., 0, :] | (quads[..., 1, :] << 4)
     packed = byte.permute(0, 2, 1, 3).reshape(n // 16, k // GROUP_SIZE, 256)
     s = sz.view(k // GROUP_SIZE, n // 16, 16, 2).permute(1, 0, 3, 2)
+    if q8:
+        s = s.float()
+        s = torch.stack([s[:, :, 0], s[:, :, 1] - 8 * s[:, :, 0]], 2)
     return packed.contiguous(), s.reshape(n // 16, k // GROUP_SIZE, 32).contiguous()
 
 
 class Int8Linear(QuantLinear):
-    """y = x W^T with W in int8, one symmetric scale per output channel."""
+    """y = x W^T with W in int8, one symmetric scale per output channel (with `own` and `q8`,
+    x in int8 per group of 32 too, as for Int4Linear)."""
 
-    def __init__(self, weight: torch.Tensor, dense: DenseKind | None, own: bool = False) -> None:
+    def __init__(
+        self, weight: torch.Tensor, dense: DenseKind | None, own: bool = False, q8: bool = False
+    ) -> None:
         n, k = weight.shape
         w = weight.detach().float()
         scale = _bf16_at_least(w.abs().amax(1) / 127)  # the kernel's scale is bfloat16
@@ -214,7 +230,13 @@ class Int8Linear(QuantLinear):
         super().__init__(n, k, copy, dense.rows if dense else 0)
         # `own` (float32 compute): csrc/q4_linear.cpp's AVX512-BF16 int8 kernel where built
         self.own = own and n % 16 == 0 and k % GROUP_SIZE == 0 and cpu_kernels.q4_dot_layout()
-        if self.own:  # [N/16, K/2, 32]: byte i of a pair of K for column i // 2
+        self.q8 = self.own and q8 and cpu_kernels.q8_activations()
+        if self.q8:  # int8 x too: uint8 q + 128 [N/16, K/4, 64], byte 4c + j: K = 4t + j
+            packed = (q.to(torch.int16) + 128).to(torch.uint8).view(n // 16, 16, k // 4, 4)
+            qweight = packed.permute(0, 2, 1, 3).reshape(n // 16, k // 4, 64).contiguous()
+            self.register_buffer("qweight", qweight, persistent=False)
+            self.register_buffer("scales", scale.contiguous(), persistent=False)
+        elif self.own:  # [N/16, K/2, 32]: byte i of a pair of K for column i // 2
             packed = q.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3)
             qweight = packed.reshape(n // 16, k // 2, 32).contiguous()
             self.register_buffer("qweight", qweight, persistent=False)
@@ -280,10 +302,12 @@ def dense_kind(dtype: torch.dtype, dense_rows: int | None) -> DenseKind | None:
     return DenseKind(dtype, fp16, default if dense_rows is None else dense_rows)
 
 
-def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
+def quantize_model(
+    model: nn.Module, quant: str, dense_rows: int | None, activations: str = "auto"
+) -> str:
     """Replace the decoder's linears (int4 or int8 per `quant`) and the output projection
-    (int8, or float16 beside float16 dense copies) in place. Returns the kernels' name for the
-    KV fingerprint and the admin page."""
+    (int8, or float16 beside float16 dense copies) in place; `activations` as
+    `--cpu-activations`. Returns the kernels' name for the KV fingerprint and the admin page."""
     from engine.fused_proj import fuse_projections  # it builds on this module's linears
 
     dense = dense_kind(model.dtype, dense_rows)
@@ -293,7 +317,14 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
     # row count measured (csrc/q4_linear.cpp), unless the operator asks for one
     dot_layout = own and cpu_kernels.q4_dot_layout()
     dot = dot_layout and dense_rows is None
-    make = (lambda w, d: Int4Linear(w, None if dot else d, own)) if quant == "nf4" else Int8Linear
+    # int8 activations on that kernel where it has them (AVX512-VNNI), unless asked not to
+    q8 = dot_layout and activations != "bfloat16" and cpu_kernels.q8_activations()
+    if activations == "int8" and not q8:
+        log.warning("--cpu-activations int8 needs crowdchat's AVX512-VNNI kernel: bfloat16")
+
+    def make(w: torch.Tensor, d: DenseKind | None) -> QuantLinear:
+        return Int4Linear(w, None if dot else d, own, q8) if quant == "nf4" else Int8Linear(w, d)
+
     # q/k/v and gate/up first, each group as one packed matrix (see engine.fused_proj)
     groups = fuse_projections(
         model,
@@ -309,8 +340,8 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
                 continue
             if child is model.get_output_embeddings():
                 if dot:  # int8 on the AVX512-BF16 kernel: half the bytes of float16
-                    setattr(parent, name, Int8Linear(child.weight, None, own=True))
-                    head = "int8, crowdchat's AVX512-BF16 kernel"
+                    setattr(parent, name, Int8Linear(child.weight, None, own=True, q8=q8))
+                    head = f"int8, crowdchat's AVX512 kernel, {'int8' if q8 else 'bf16'} x"
                 elif dense is not None and dense.fp16:
                     setattr(parent, name, Fp16Linear(child.weight))
                     head = "fp16"
@@ -324,7 +355,11 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
     log.info(
         "CPU weight-only %s%s on %d linears + %d fused groups, output projection %s, %s",
         quant,
-        (" (crowdchat's AVX512-BF16 kernel)" if dot_layout else " (crowdchat's kernel)")
+        (
+            f" (crowdchat's AVX512-BF16 kernel, {'int8' if q8 else 'bfloat16'} activations)"
+            if dot_layout
+            else " (crowdchat's kernel)"
+        )
         if own
         else "",
         swapped,
@@ -335,6 +370,7 @@ def quantize_model(model: nn.Module, quant: str, dense_rows: int | None) -> str:
     name = "torch-int8"
     if quant == "nf4":
         name = f"{'crowdchat' if own else 'torch'}{'-dot' if dot_layout else ''}-int4g{GROUP_SIZE}"
+        name += "-q8" if q8 else ""
     return name + "+fp16" if dense is not None and dense.fp16 and not dot else name
 
 

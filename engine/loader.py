@@ -254,7 +254,9 @@ def _load_model(config: EngineConfig) -> LoadedModel:
     kernel = "dense" if config.quant == "none" else "bitsandbytes"
     if torch_kernels:
         with torch.inference_mode():
-            kernel = cpu_quant.quantize_model(model, config.quant, config.cpu_dense_above)
+            kernel = cpu_quant.quantize_model(
+                model, config.quant, config.cpu_dense_above, config.cpu_activations
+            )
     mc = model.config
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     loaded = LoadedModel(

@@ -285,17 +285,27 @@ void int8_block(const int8_t* pw, const float* scales, const uint16_t* xb, int64
                      rounded(_mm512_mul_ps(_mm512_add_ps(acc[r][0], acc[r][1]), scale)));
 }
 
+#if defined(__AVX512VNNI__)
+at::Tensor int8_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
+#endif
+
 at::Tensor int8_dot(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: float32 [M, K]");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(2) == 32 &&
-                  packed.is_contiguous(),
-              "packed: contiguous int8 [N/16, K/2, 32]");
+  const bool q8 = packed.scalar_type() == at::kByte;  // the int8-activation kernel's layout
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
+                  (q8 ? packed.size(2) == 64 : packed.scalar_type() == at::kChar &&
+                                                   packed.size(2) == 32),
+              "packed: contiguous int8 [N/16, K/2, 32] (or uint8 [N/16, K/4, 64])");
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0), n = blocks * 16;
-  TORCH_CHECK(k % kGroup == 0 && k == 2 * packed.size(1), "x has ", k, " columns, the weights ",
-              2 * packed.size(1), " (a multiple of 32)");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 1 && scales.size(0) == n &&
                   scales.is_contiguous(),
               "scales: float32 [N]");
+#if defined(__AVX512VNNI__)
+  if (q8) return int8_dot_q8(x, packed, scales);
+#endif
+  TORCH_CHECK(!q8, "this build has no int8-activation kernel (AVX512-VNNI)");
+  TORCH_CHECK(k % kGroup == 0 && k == 2 * packed.size(1), "x has ", k, " columns, the weights ",
+              2 * packed.size(1), " (a multiple of 32)");
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   const Bf16Rows xr = bf16_rows(x, false);
@@ -308,11 +318,174 @@ at::Tensor int8_dot(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   });
   return y;
 }
+
+#if defined(__AVX512VNNI__)
+#define CROWDCHAT_Q8_ACT 1
+
+// x's rows in int8, as llama.cpp quantizes activations for its 4-bit weights (Q8_1): per
+// group of 32 values a scale d = max|x| / 127, q = round(x / d) (to nearest even), the group's
+// sum of q, and d times it (the zeros' term)
+struct Int8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d, dsum;
+  std::vector<int32_t> qsum;
+};
+
+Int8Rows int8_rows(const at::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1), groups = m * (k / kGroup);
+  const auto xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  Int8Rows rows{std::vector<int8_t>(m * k), std::vector<float>(groups),
+                std::vector<float>(groups), std::vector<int32_t>(groups)};
+  at::parallel_for(0, groups, m * k < kSerialWork ? groups + 1 : 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const __m512 a = _mm512_loadu_ps(xp + i * kGroup), b = _mm512_loadu_ps(xp + i * kGroup + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
+      const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(rows.q.data() + i * kGroup),
+                       _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(rows.q.data() + i * kGroup + 16),
+                       _mm512_cvtsepi32_epi8(qb));
+      rows.d[i] = amax / 127.0f;
+      rows.qsum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+      rows.dsum[i] = rows.d[i] * static_cast<float>(rows.qsum[i]);
+    }
+  });
+  return rows;
+}
+
+// R rows of int8 x through one block of 16 output columns (the `dot_block` layout): each
+// group's 4-bit weights become unsigned bytes, 4 values of K a lane, and `vpdpbusd` multiplies
+// them with 4 int8 values of x into int32 sums, 64 products an instruction (twice `vdpbf16ps`'s
+// 32, at the same rate on Zen 4/5): y = sum over groups of d (scale * sum(q x) + (zero - 8
+// scale) * sum(x)), the integer sums exact
+template <int R>
+void dot_block_q8(const uint8_t* pw, const float* pso, const int8_t* xq, const float* xd,
+                  const float* xds, int64_t k, int64_t groups, float* y, int64_t ldy) {
+  const __m512i nibbles = _mm512_set1_epi32(0x0f0f);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    // per 4 values of K, 32 bytes: byte 2c of column c holds q[4t] (low nibble) and q[4t + 2],
+    // byte 2c + 1 q[4t + 1] and q[4t + 3]; as a 32-bit lane: bytes q[4t .. 4t + 3] in order
+    __m512i w[8];
+    const uint8_t* p = pw + g * 256;
+    for (int t = 0; t < 8; ++t) {
+      const __m512i word = _mm512_cvtepu16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + t * 32)));
+      const __m512i lo = _mm512_and_si512(word, nibbles);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(word, 4), nibbles);
+      w[t] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+    }
+    const __m512 scale = _mm512_loadu_ps(pso + g * 32), offset = _mm512_loadu_ps(pso + g * 32 + 16);
+    __m512i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+    for (int t = 0; t < 8; ++t) {
+      for (int r = 0; r < R; ++r) {
+        int32_t a;
+        std::memcpy(&a, xq + r * k + g * kGroup + 4 * t, sizeof(a));
+        s[r] = _mm512_dpbusd_epi32(s[r], w[t], _mm512_set1_epi32(a));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = r * groups + g;
+      const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(s[r]), _mm512_set1_ps(xd[i]));
+      acc[r] = _mm512_fmadd_ps(scale, sum, _mm512_fmadd_ps(offset, _mm512_set1_ps(xds[i]), acc[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, rounded(acc[r]));
+}
+
+// `so`: float32 [N/16, K/32, 32], per group the 16 columns' scales, then their offsets
+// zero - 8 scale (engine/cpu_quant.py `pack_for_dot(..., q8=True)`)
+at::Tensor q4_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& so) {
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0), groups = packed.size(1);
+  TORCH_CHECK(k == groups * kGroup, "x has ", k, " columns, the weights ", groups * kGroup);
+  TORCH_CHECK(so.dim() == 3 && so.size(0) == blocks && so.size(1) == groups && so.size(2) == 32,
+              "scales_offsets: float32 [N/16, K/32, 32]");
+  const int64_t n = blocks * 16;
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const Int8Rows xr = int8_rows(x);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const float* sp = so.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  over_blocks(m, blocks, m * n * k, [&](auto rows, int64_t b, int64_t r0) {
+    dot_block_q8<decltype(rows)::value>(pp + b * groups * 256, sp + b * groups * 32,
+                                        xr.q.data() + r0 * k, xr.d.data() + r0 * groups,
+                                        xr.dsum.data() + r0 * groups, k, groups,
+                                        yp + r0 * n + b * 16, n);
+  });
+  return y;
+}
+
+// The output projection's int8 weights with int8 x (`int8_dot` with uint8 weights): each
+// weight plus 128 as an unsigned byte (`vpdpbusd` takes one operand unsigned), layout uint8
+// [N/16, K/4, 64], byte 4c + j for column c and K = 4t + j; per group of 32 the integer sum
+// less 128 times the group's sum of x's int8 values is exact, then scaled by d
+template <int R>
+void int8_block_q8(const uint8_t* pw, const float* scales, const int8_t* xq, const float* xd,
+                   const int32_t* xqs, int64_t k, int64_t groups, float* y, int64_t ldy) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i w[8];
+    for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(pw + (g * 8 + t) * 64);
+    __m512i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+    for (int t = 0; t < 8; ++t) {
+      for (int r = 0; r < R; ++r) {
+        int32_t a;
+        std::memcpy(&a, xq + r * k + g * kGroup + 4 * t, sizeof(a));
+        s[r] = _mm512_dpbusd_epi32(s[r], w[t], _mm512_set1_epi32(a));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = r * groups + g;
+      const __m512i exact = _mm512_sub_epi32(s[r], _mm512_set1_epi32(128 * xqs[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(xd[i]), acc[r]);
+    }
+  }
+  const __m512 scale = _mm512_loadu_ps(scales);
+  for (int r = 0; r < R; ++r)
+    _mm512_storeu_ps(y + r * ldy, rounded(_mm512_mul_ps(acc[r], scale)));
+}
+
+at::Tensor int8_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0), n = blocks * 16;
+  TORCH_CHECK(packed.size(2) == 64 && k == 4 * packed.size(1) && k % kGroup == 0, "x has ", k,
+              " columns, the weights ", 4 * packed.size(1), " (a multiple of 32)");
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const Int8Rows xr = int8_rows(x);
+  const int64_t groups = k / kGroup;
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  over_blocks(m, blocks, m * n * k, [&](auto rows, int64_t b, int64_t r0) {
+    int8_block_q8<decltype(rows)::value>(pp + b * k * 16, sp + b * 16, xr.q.data() + r0 * k,
+                                         xr.d.data() + r0 * groups,
+                                         xr.qsum.data() + r0 * groups, k, groups,
+                                         yp + r0 * n + b * 16, n);
+  });
+  return y;
+}
+#endif  // __AVX512VNNI__
 #endif
 
 }  // namespace
 
 namespace crowdchat {
+
+bool q8_activations() {
+#ifdef CROWDCHAT_Q8_ACT
+  return true;
+#else
+  return false;
+#endif
+}
 
 bool q4_dot_layout() {
 #ifdef CROWDCHAT_Q4_DOT
@@ -330,6 +503,10 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
 #ifdef CROWDCHAT_Q4_DOT
   if (packed.size(2) == 256) {
     TORCH_CHECK(scales_zeros.is_contiguous(), "weights must be contiguous");
+#ifdef CROWDCHAT_Q8_ACT
+    // float32 scales and offsets: the int8-activation kernel's weights
+    if (scales_zeros.scalar_type() == at::kFloat) return q4_dot_q8(x, packed, scales_zeros);
+#endif
     return q4_dot(x, packed, scales_zeros);
   }
 #endif
@@ -381,6 +558,8 @@ TORCH_LIBRARY_FRAGMENT(crowdchat, m) {
   // whether this build packs for the AVX512-BF16 kernel (no tensor: a catch-all kernel)
   m.def("q4_dot_layout() -> bool", &crowdchat::q4_dot_layout);
   m.def("int8_dot(Tensor x, Tensor packed, Tensor scales) -> Tensor");
+  // whether this build has the int8-activation 4-bit kernel (AVX512-VNNI)
+  m.def("q8_activations() -> bool", &crowdchat::q8_activations);
 }
 
 TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
@@ -388,4 +567,5 @@ TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
 #ifdef CROWDCHAT_Q4_DOT
   m.impl("int8_dot", &int8_dot);
 #endif
+
 }
