@@ -33,6 +33,10 @@ constexpr int64_t kQueryTile = 16;  // a prefill chunk's tokens per work item
 constexpr int64_t kSerialWork = 2048;
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kMaxBlock = 128;
+// blocks ahead of the one being read whose rows are prefetched meanwhile (AVX-512 loop): from
+// memory, 32 rows x 200 tokens x 30 layers took 14.3 ms with none, 8.9 with 1, 7.6-8.1 with 2,
+// 7.7 with 3 (2-core Zen 5 EPYC, the blocks scattered over a 1.5 GB pool)
+constexpr int64_t kAhead = 2;
 
 // exp(x) for x <= 0 (scores minus their maximum), in plain arithmetic the compiler vectorizes:
 // Cephes' expf (range reduction by ln 2, degree-6 polynomial, within 2 ulp); std::exp is a
@@ -207,17 +211,32 @@ void attend_chunk_avx512(const float* __restrict q, const T* __restrict kh,
   constexpr int NV = DIM / 16;  // vectors per row
   const int64_t n = t1 - t0, stride = DIM + 2;
   // the rows of K or V from position t0 + t to the end of its block (at most kMaxBlock) or of
-  // the chunk, widened into `buf`; returns how many
-  auto widen_block = [&](const T* base, int64_t t) {
+  // the chunk, widened into `buf`; returns how many. Meanwhile the block kAhead blocks on
+  // (in the K pass past the chunk's end: V's first blocks) is prefetched a row per row
+  // widened: the blocks lie anywhere in the pool, so the hardware's prefetchers cannot see
+  // the next one coming; spread out, the prefetches are not dropped for want of miss buffers
+  // as a whole block's at once were (that and whole items ahead measured no faster)
+  const int64_t first = t0 / bs, count = (t0 + n - 1) / bs - first + 1;
+  auto widen_block = [&](const T* base, const T* then, int64_t t) {
     const int64_t pos = t0 + t, off = pos % bs, rows = std::min(bs - off, n - t);
     const T* src = base + (blocks[pos / bs] * bs + off) * DIM;
-    for (int64_t r = 0; r < rows; ++r)
+    const int64_t ahead = pos / bs - first + kAhead;
+    const char* pf = nullptr;
+    if (ahead < count)
+      pf = reinterpret_cast<const char*>(base + blocks[first + ahead] * bs * DIM);
+    else if (then != nullptr && ahead - count < count)
+      pf = reinterpret_cast<const char*>(then + blocks[first + ahead - count] * bs * DIM);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (pf != nullptr)
+        for (int64_t o = 0; o < int64_t{DIM * sizeof(T)}; o += 64)
+          _mm_prefetch(pf + r * DIM * sizeof(T) + o, _MM_HINT_T0);
       for (int j = 0; j < NV; ++j)
         _mm512_storeu_ps(buf + r * DIM + 16 * j, widen16(src + r * DIM + 16 * j));
+    }
     return rows;
   };
   for (int64_t t = 0; t < n;) {
-    const int64_t rows = widen_block(kh, t);
+    const int64_t rows = widen_block(kh, vh, t);
     for (int64_t g = 0; g < G; ++g) {
       __m512 qv[NV];
       for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(q + g * DIM + 16 * j);
@@ -270,7 +289,7 @@ void attend_chunk_avx512(const float* __restrict q, const T* __restrict kh,
     std::fill_n(pg + 2, DIM, 0.f);
   }
   for (int64_t t = 0; t < n;) {
-    const int64_t rows = widen_block(vh, t);
+    const int64_t rows = widen_block(vh, nullptr, t);
     for (int64_t g = 0; g < G; ++g) {
       const float* w = scores + g * kChunk + t;
       float* acc = part + g * stride + 2;
@@ -515,3 +534,4 @@ TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
   m.impl("paged_decode_attention", &crowdchat::paged_decode_attention);
   m.impl("paged_prefill_attention", &crowdchat::paged_prefill_attention);
 }
+
