@@ -74,7 +74,9 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor
     under a VM's nested paging a slow one. With 2 MB pages one decode step's attention from
     memory took 10-17% less time (30 layers, 32 x 200 / 32 x 400 / 8 x 1,000 tokens: 17.9 ->
     14.9, 29.3 -> 26.9, 20.8 -> 18.6 ms, 2-core Zen 5 EPYC VM). The pages are zeroed as first
-    touched, so the pool's RAM is committed as its blocks are used, not at start."""
+    touched: all of them are touched here, at start (as `torch.zeros` did), so that no turn
+    pays for faulting them in (`bench/restore.py`'s restores read 407-555 MB/s into untouched
+    pages, 720-816 into touched ones)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -82,7 +84,8 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor
             mapping.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # a kernel without transparent huge pages: 4 KB pages then
             pass
-    return torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape)).view(shape), mapping
+    tensor = torch.frombuffer(mapping, dtype=dtype, count=math.prod(shape)).view(shape)
+    return tensor.zero_(), mapping
 
 
 class KVCache:
