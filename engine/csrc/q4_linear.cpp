@@ -356,6 +356,21 @@ Int8Rows int8_rows(const at::Tensor& x) {
   return rows;
 }
 
+// One group of 32 values of K for R rows: `w` its 8 vectors of 16 columns' 4 unsigned bytes
+// (K = 4t .. 4t + 3), `xq` the rows' int8 values from the group's first (row stride k); s[r]
+// the 16 columns' exact integer sums for row r
+template <int R>
+inline void group_sums(const __m512i (&w)[8], const int8_t* xq, int64_t k, __m512i (&s)[R]) {
+  for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+  for (int t = 0; t < 8; ++t) {
+    for (int r = 0; r < R; ++r) {
+      int32_t a;
+      std::memcpy(&a, xq + r * k + 4 * t, sizeof(a));
+      s[r] = _mm512_dpbusd_epi32(s[r], w[t], _mm512_set1_epi32(a));
+    }
+  }
+}
+
 // R rows of int8 x through one block of 16 output columns (the `dot_block` layout): each
 // group's 4-bit weights become unsigned bytes, 4 values of K a lane, and `vpdpbusd` multiplies
 // them with 4 int8 values of x into int32 sums, 64 products an instruction (twice `vdpbf16ps`'s
@@ -381,14 +396,7 @@ void dot_block_q8(const uint8_t* pw, const float* pso, const int8_t* xq, const f
     }
     const __m512 scale = _mm512_loadu_ps(pso + g * 32), offset = _mm512_loadu_ps(pso + g * 32 + 16);
     __m512i s[R];
-    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
-    for (int t = 0; t < 8; ++t) {
-      for (int r = 0; r < R; ++r) {
-        int32_t a;
-        std::memcpy(&a, xq + r * k + g * kGroup + 4 * t, sizeof(a));
-        s[r] = _mm512_dpbusd_epi32(s[r], w[t], _mm512_set1_epi32(a));
-      }
-    }
+    group_sums<R>(w, xq + g * kGroup, k, s);
     for (int r = 0; r < R; ++r) {
       const int64_t i = r * groups + g;
       const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(s[r]), _mm512_set1_ps(xd[i]));
@@ -434,14 +442,7 @@ void int8_block_q8(const uint8_t* pw, const float* scales, const int8_t* xq, con
     __m512i w[8];
     for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(pw + (g * 8 + t) * 64);
     __m512i s[R];
-    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
-    for (int t = 0; t < 8; ++t) {
-      for (int r = 0; r < R; ++r) {
-        int32_t a;
-        std::memcpy(&a, xq + r * k + g * kGroup + 4 * t, sizeof(a));
-        s[r] = _mm512_dpbusd_epi32(s[r], w[t], _mm512_set1_epi32(a));
-      }
-    }
+    group_sums<R>(w, xq + g * kGroup, k, s);
     for (int r = 0; r < R; ++r) {
       const int64_t i = r * groups + g;
       const __m512i exact = _mm512_sub_epi32(s[r], _mm512_set1_epi32(128 * xqs[i]));
