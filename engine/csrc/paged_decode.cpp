@@ -33,7 +33,7 @@ constexpr int64_t kQueryTile = 16;  // a prefill chunk's tokens per work item
 constexpr int64_t kSerialWork = 2048;
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kMaxBlock = 128;
-// blocks ahead of the one being read whose rows are prefetched meanwhile (AVX-512 loop): from
+// blocks ahead of the one being read whose rows are prefetched meanwhile (BlockRows): from
 // memory, 32 rows x 200 tokens x 30 layers took 14.3 ms with none, 8.9 with 1, 7.6-8.1 with 2,
 // 7.7 with 3 (2-core Zen 5 EPYC, the blocks scattered over a 1.5 GB pool)
 constexpr int64_t kAhead = 2;
@@ -75,6 +75,49 @@ inline int64_t valid_keys(const int64_t* limit, int64_t g, int64_t t0, int64_t n
   return limit ? std::clamp<int64_t>(limit[g] - t0, 0, n) : n;
 }
 
+// A work item's keys [t0, t0 + n) in the pool's blocks (`table`: the sequence's blocks of bs
+// slots, rows of D values), read a block at a time. Meanwhile the rows of the block kAhead
+// blocks on are prefetched, one per row read (in the K pass past the chunk's end: V's first
+// blocks): the blocks lie anywhere in the pool, so the hardware's prefetchers cannot see the
+// next one coming, and a whole block prefetched at once was no faster (too many misses in
+// flight: dropped), nor were whole items ahead.
+template <typename T>
+struct BlockRows {
+  const int64_t* table;
+  int64_t bs, t0, n, D, first, count;
+  BlockRows(const int64_t* table, int64_t bs, int64_t t0, int64_t n, int64_t D)
+      : table(table), bs(bs), t0(t0), n(n), D(D), first(t0 / bs),
+        count((t0 + n - 1) / bs - t0 / bs + 1) {}
+  // rows from position t0 + t to the end of its block or of the chunk
+  int64_t rows(int64_t t) const { return std::min(bs - (t0 + t) % bs, n - t); }
+  const T* row(const T* base, int64_t t) const {
+    return base + (table[(t0 + t) / bs] * bs + (t0 + t) % bs) * D;
+  }
+  // the block to prefetch while the one at t is read (`then`: the pool read after this one)
+  const char* ahead(const T* base, const T* then, int64_t t) const {
+    const int64_t i = (t0 + t) / bs - first + kAhead;
+    if (i < count) return reinterpret_cast<const char*>(base + table[first + i] * bs * D);
+    if (then != nullptr && i - count < count)
+      return reinterpret_cast<const char*>(then + table[first + i - count] * bs * D);
+    return nullptr;
+  }
+  void prefetch_row(const char* block, int64_t r) const {
+    if (block == nullptr) return;
+    const int64_t bytes = D * int64_t{sizeof(T)};
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(block + r * bytes + o, 0, 3);
+  }
+  // widens the rows at t into `buf` (prefetching `pf`'s meanwhile); returns how many
+  int64_t widen_block(const T* base, const char* pf, int64_t t, float* buf) const {
+    const int64_t m = rows(t);
+    const T* src = row(base, t);
+    for (int64_t r = 0; r < m; ++r) {
+      prefetch_row(pf, r);
+      widen(src + r * D, buf + r * D, D);
+    }
+    return m;
+  }
+};
+
 // One work item: query heads [G, D] (scaled) against tokens [t0, t1) of one sequence and one
 // KV head; leaves each head's max score, sum of exp and exp-weighted V sum in `part`.
 // `DIM` is the head size when known at compile time (0: `d`), so the loops over it unroll.
@@ -86,9 +129,9 @@ void attend_chunk(const float* __restrict q, const T* __restrict kh, const T* __
   const int64_t D = DIM ? DIM : d_runtime, n = t1 - t0, stride = D + 2;
   // scores: a block's K rows are contiguous in the pool; widen them once, then four tokens
   // at a time per head (four independent sums in flight)
+  const BlockRows<T> at(blocks, bs, t0, n, D);
   for (int64_t t = 0; t < n;) {
-    const int64_t pos = t0 + t, off = pos % bs, rows = std::min(bs - off, n - t);
-    widen(kh + (blocks[pos / bs] * bs + off) * D, buf, rows * D);
+    const int64_t rows = at.widen_block(kh, at.ahead(kh, vh, t), t, buf);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       float* sg = scores + g * kChunk + t;
@@ -132,8 +175,7 @@ void attend_chunk(const float* __restrict q, const T* __restrict kh, const T* __
   }
   // values: widen a block's V rows once, then each head's sum over them
   for (int64_t t = 0; t < n;) {
-    const int64_t pos = t0 + t, off = pos % bs, rows = std::min(bs - off, n - t);
-    widen(vh + (blocks[pos / bs] * bs + off) * D, buf, rows * D);
+    const int64_t rows = at.widen_block(vh, at.ahead(vh, nullptr, t), t, buf);
     for (int64_t g = 0; g < G; ++g) {
       const float* w = scores + g * kChunk + t;
       float* __restrict acc = part + g * stride + 2;
@@ -211,25 +253,14 @@ void attend_chunk_avx512(const float* __restrict q, const T* __restrict kh,
   constexpr int NV = DIM / 16;  // vectors per row
   const int64_t n = t1 - t0, stride = DIM + 2;
   // the rows of K or V from position t0 + t to the end of its block (at most kMaxBlock) or of
-  // the chunk, widened into `buf`; returns how many. Meanwhile the block kAhead blocks on
-  // (in the K pass past the chunk's end: V's first blocks) is prefetched a row per row
-  // widened: the blocks lie anywhere in the pool, so the hardware's prefetchers cannot see
-  // the next one coming; spread out, the prefetches are not dropped for want of miss buffers
-  // as a whole block's at once were (that and whole items ahead measured no faster)
-  const int64_t first = t0 / bs, count = (t0 + n - 1) / bs - first + 1;
+  // the chunk, widened into `buf`, the block ahead prefetched meanwhile; returns how many
+  const BlockRows<T> at(blocks, bs, t0, n, DIM);
   auto widen_block = [&](const T* base, const T* then, int64_t t) {
-    const int64_t pos = t0 + t, off = pos % bs, rows = std::min(bs - off, n - t);
-    const T* src = base + (blocks[pos / bs] * bs + off) * DIM;
-    const int64_t ahead = pos / bs - first + kAhead;
-    const char* pf = nullptr;
-    if (ahead < count)
-      pf = reinterpret_cast<const char*>(base + blocks[first + ahead] * bs * DIM);
-    else if (then != nullptr && ahead - count < count)
-      pf = reinterpret_cast<const char*>(then + blocks[first + ahead - count] * bs * DIM);
+    const int64_t rows = at.rows(t);
+    const T* src = at.row(base, t);
+    const char* pf = at.ahead(base, then, t);
     for (int64_t r = 0; r < rows; ++r) {
-      if (pf != nullptr)
-        for (int64_t o = 0; o < int64_t{DIM * sizeof(T)}; o += 64)
-          _mm_prefetch(pf + r * DIM * sizeof(T) + o, _MM_HINT_T0);
+      at.prefetch_row(pf, r);
       for (int j = 0; j < NV; ++j)
         _mm512_storeu_ps(buf + r * DIM + 16 * j, widen16(src + r * DIM + 16 * j));
     }
