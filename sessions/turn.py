@@ -116,6 +116,10 @@ class ChatTurn:
         if self.handle is not None and not self.handle.done:
             self.handle.cancel()  # the consumer went away mid-stream
             self.finish_reason = self.finish_reason or "cancelled"
+        elif self._cancelled and self.finish_reason is None:
+            # stopped while its reader was still reading: the engine (a fast upstream) may
+            # have finished generating, but the user stopped a reply they saw unfinished
+            self.finish_reason = "cancelled"
         elif self.handle is not None and self.finish_reason is None:
             self.finish_reason = str(self.handle.finish_reason)
         self.status = "done"

@@ -323,6 +323,33 @@ def test_stop_keeps_the_partial_reply(nf4_model: LoadedModel, tmp_path: Path) ->
         close_sessions(engine, sm)
 
 
+def test_stop_after_the_engine_finished_but_before_the_reader_did_is_a_stop(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    """A fast engine (an upstream vLLM) can finish generating while the page still shows the
+    reply streaming; Stop pressed then is still a stop: "cancelled", the reply kept (a
+    test_vllm page run saw the status stay empty after Stop)."""
+    engine, sm = make_sessions(nf4_model, tmp_path)
+    try:
+        sid = sm.create_session("u")["id"]
+        params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+        turn = sm.chat("u", sid, "Say hello.", params)
+        deltas = iter(turn)
+        got = next(deltas)
+        deadline = time.monotonic() + 60
+        while not turn.handle.done and time.monotonic() < deadline:
+            time.sleep(0.01)  # the engine finishes; the reader has not read it all
+        assert turn.handle.done
+        sm.stop("u", sid)
+        got += "".join(deltas)
+        assert turn.finish_reason == "cancelled" and got == turn.text
+        assert len(turn.handle.token_ids) == 8  # the whole reply was generated, and kept
+        msgs = sm.messages("u", sid)
+        assert msgs[-1]["content"] == turn.text and msgs[-1]["finish_reason"] == "cancelled"
+    finally:
+        close_sessions(engine, sm)
+
+
 def test_stats_count_states_and_the_recompute_of_lost_kv(
     nf4_model: LoadedModel, tmp_path: Path
 ) -> None:
