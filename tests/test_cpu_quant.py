@@ -95,6 +95,22 @@ def test_fp16_copy_computes_each_row_alone_as_in_any_batch() -> None:
             torch.testing.assert_close(batch, want, rtol=2**-7, atol=1e-5)
 
 
+def assert_rows(
+    lin: torch.nn.Module, x: torch.Tensor, want: torch.Tensor, w: torch.Tensor
+) -> torch.Tensor:
+    """`lin(x)` as crowdchat's CPU kernels must give it: float32 [rows, N] rounded to bf16,
+    within float32 summation order of `want` (near-cancelling sums differ by a few ulps of
+    their terms, `w` the weights), then one bf16 ulp; each row bitwise the same alone or in
+    any batch. Returns it."""
+    got = lin(x)
+    assert got.dtype == torch.float32 and got.shape == (x.shape[0], want.shape[1])
+    assert torch.equal(got, got.bfloat16().float())  # rounded as the kernels round
+    atol = 2**-20 * float((x.abs() @ w.abs().t()).max())
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=atol)
+    assert torch.equal(got, torch.cat([lin(x[i : i + 1]) for i in range(x.shape[0])]))
+    return got
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_crowdchat_int4_kernel_computes_what_torchs_does(seed: int) -> None:
     """engine/csrc/q4_linear.cpp against PyTorch's int4 kernel on the same quantized weights:
@@ -109,14 +125,7 @@ def test_crowdchat_int4_kernel_computes_what_torchs_does(seed: int) -> None:
     assert ours.own and not torchs.own
     for rows in (1, 2, 3, 4, 5, 7, 9, 16, 33, 70):
         x = torch.randn(rows, k, generator=gen) * (0.1 + seed)
-        want, got = torchs(x), ours(x)
-        assert got.dtype == torch.float32 and got.shape == (rows, n)
-        assert torch.equal(got, got.bfloat16().float())  # rounded as the kernels round
-        # float32 sums in two orders: near-cancelling sums differ by a few ulps of their terms
-        atol = 2**-20 * float((x.abs() @ w.abs().t()).max())
-        torch.testing.assert_close(got, want, rtol=2**-7, atol=atol)
-        solo = torch.cat([ours(x[i : i + 1]) for i in range(rows)])
-        assert torch.equal(got, solo)
+        assert_rows(ours, x, torchs(x), w)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -133,12 +142,7 @@ def test_crowdchat_int8_kernel_computes_what_torchs_does(seed: int) -> None:
     assert ours.own and not torchs.own and not Int8Linear(w[:40], None, own=True).own
     for rows in (1, 3, 8, 9, 33, 70):
         x = torch.randn(rows, k, generator=gen) * (0.1 + seed)
-        got = ours(x)
-        assert got.dtype == torch.float32 and got.shape == (rows, n)
-        assert torch.equal(got, got.bfloat16().float())
-        atol = 2**-20 * float((x.abs() @ w.abs().t()).max())
-        torch.testing.assert_close(got, torchs(x), rtol=2**-7, atol=atol)
-        assert torch.equal(got, torch.cat([ours(x[i : i + 1]) for i in range(rows)]))
+        assert_rows(ours, x, torchs(x), w)
     int8 = torch.ops.crowdchat.int8_dot
     with pytest.raises(RuntimeError, match="columns"):
         int8(torch.randn(2, k + 32), ours.qweight, ours.scales)
@@ -149,15 +153,22 @@ def test_crowdchat_int8_kernel_computes_what_torchs_does(seed: int) -> None:
     assert int8(torch.randn(0, k), ours.qweight, ours.scales).shape == (0, n)
 
 
-def q8_reference(x: torch.Tensor, lin: Int4Linear) -> torch.Tensor:
-    """What the int8-activation kernel computes, in float64 from its own inputs: x rounded per
-    group of 32 to int8 (scale max|x| / 127, to nearest even), times the 4-bit weights."""
-    g = GROUP_SIZE
-    xg = x.view(x.shape[0], -1, g)
+def q8_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] rounded per group of 32 to int8 as the int8-activation kernels round it
+    (scale max|x| / 127, to nearest even): the values [M, K/32, 32] and scales [M, K/32, 1],
+    float64."""
+    xg = x.view(x.shape[0], -1, GROUP_SIZE)
     amax = xg.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
     q = torch.round(xg * inv).clamp(-127, 127)  # float32 products, as the kernel rounds them
-    d = (amax / 127).double()
+    return q.double(), (amax / 127).double()
+
+
+def q8_reference(x: torch.Tensor, lin: Int4Linear) -> torch.Tensor:
+    """What the int8-activation kernel computes, in float64 from its own inputs: x rounded per
+    group of 32 to int8 (`q8_inputs`), times the 4-bit weights."""
+    g = GROUP_SIZE
+    q, d = q8_inputs(x)
     blocks, groups = lin.packed.shape[:2]
     so = lin.scales_zeros.view(blocks, groups, 2, 16).permute(2, 0, 3, 1).double()
     scale, offset = so[0].reshape(-1, groups), so[1].reshape(-1, groups)  # [N, K/32]
@@ -165,8 +176,8 @@ def q8_reference(x: torch.Tensor, lin: Int4Linear) -> torch.Tensor:
     b = lin.packed.view(blocks, groups, 8, 16, 2).long()  # block, group, t, column, i % 2
     qw = torch.stack([b & 15, b >> 4], 4)  # ..., half, i % 2: K = 4t + 2 half + i % 2
     qw = qw.permute(0, 3, 1, 2, 4, 5).reshape(blocks * 16, groups, g).double()
-    dots = torch.einsum("mgk,ngk->mng", q.double(), qw)
-    sums = q.double().sum(-1)  # [M, K/32]
+    dots = torch.einsum("mgk,ngk->mng", q, qw)
+    sums = q.sum(-1)  # [M, K/32]
     return (d.squeeze(-1)[:, None] * (scale * dots + offset * sums[:, None])).sum(-1)
 
 
@@ -186,15 +197,9 @@ def test_int8_activation_kernel_computes_llama_cpps_model(seed: int) -> None:
     for rows in (1, 2, 3, 5, 8, 9, 16, 33, 70):
         x = torch.randn(rows, k, generator=gen) * (0.1 + seed)
         x[0, :GROUP_SIZE] = 0  # a group of zeros: scale 0, no NaN
-        got = ours(x)
-        assert got.dtype == torch.float32 and got.shape == (rows, n)
-        assert torch.equal(got, got.bfloat16().float())
-        atol = 2**-20 * float((x.abs() @ w.abs().t()).max())
-        want = q8_reference(x, ours).float()
-        torch.testing.assert_close(got, want, rtol=2**-7, atol=atol)
+        got = assert_rows(ours, x, q8_reference(x, ours).float(), w)
         near = bf16(x)
         assert float((got - near).norm()) <= 0.02 * float(near.norm())
-        assert torch.equal(got, torch.cat([ours(x[i : i + 1]) for i in range(rows)]))
 
 
 def test_int8_activation_output_projection() -> None:
@@ -213,17 +218,10 @@ def test_int8_activation_output_projection() -> None:
         wq = (q - 128).double() * ours.scales.double()[:, None]  # the weights it computes with
         for rows in (1, 3, 8, 9, 33, 70):
             x = torch.randn(rows, k, generator=gen)
-            got = ours(x)
-            assert torch.equal(got, got.bfloat16().float())
-            xg = x.view(rows, -1, GROUP_SIZE)
-            amax = xg.abs().amax(-1, keepdim=True)
-            xq = torch.round(xg * (127 / amax)).double() * (amax / 127).double()
-            want = (xq.view(rows, k) @ wq.t()).float()
-            atol = 2**-20 * float((x.abs() @ w.abs().t()).max())
-            torch.testing.assert_close(got, want, rtol=2**-7, atol=atol)
+            q, d = q8_inputs(x)
+            got = assert_rows(ours, x, ((q * d).view(rows, k) @ wq.t()).float(), w)
             near = bf16(x)
             assert float((got - near).norm()) <= 0.02 * float(near.norm())
-            assert torch.equal(got, torch.cat([ours(x[i : i + 1]) for i in range(rows)]))
     int8 = torch.ops.crowdchat.int8_dot
     with pytest.raises(RuntimeError, match="columns"):
         int8(torch.randn(2, k + 32), ours.qweight, ours.scales)
