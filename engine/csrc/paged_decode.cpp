@@ -106,13 +106,17 @@ struct BlockRows {
     const int64_t bytes = D * int64_t{sizeof(T)};
     for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(block + r * bytes + o, 0, 3);
   }
-  // widens the rows at t into `buf` (prefetching `pf`'s meanwhile); returns how many
-  int64_t widen_block(const T* base, const char* pf, int64_t t, float* buf) const {
+  // widens the rows at t into `buf` by `widen_row(src, dst)`, one row each, meanwhile
+  // prefetching the block ahead (`then`: the pool read after `base`); returns how many
+  template <typename WidenRow>
+  int64_t widen_block(const T* base, const T* then, int64_t t, float* buf,
+                      const WidenRow& widen_row) const {
     const int64_t m = rows(t);
     const T* src = row(base, t);
+    const char* pf = ahead(base, then, t);
     for (int64_t r = 0; r < m; ++r) {
       prefetch_row(pf, r);
-      widen(src + r * D, buf + r * D, D);
+      widen_row(src + r * D, buf + r * D);
     }
     return m;
   }
@@ -130,8 +134,9 @@ void attend_chunk(const float* __restrict q, const T* __restrict kh, const T* __
   // scores: a block's K rows are contiguous in the pool; widen them once, then four tokens
   // at a time per head (four independent sums in flight)
   const BlockRows<T> at(blocks, bs, t0, n, D);
+  const auto widen_row = [D](const T* src, float* dst) { widen(src, dst, D); };
   for (int64_t t = 0; t < n;) {
-    const int64_t rows = at.widen_block(kh, at.ahead(kh, vh, t), t, buf);
+    const int64_t rows = at.widen_block(kh, vh, t, buf, widen_row);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       float* sg = scores + g * kChunk + t;
@@ -175,7 +180,7 @@ void attend_chunk(const float* __restrict q, const T* __restrict kh, const T* __
   }
   // values: widen a block's V rows once, then each head's sum over them
   for (int64_t t = 0; t < n;) {
-    const int64_t rows = at.widen_block(vh, at.ahead(vh, nullptr, t), t, buf);
+    const int64_t rows = at.widen_block(vh, nullptr, t, buf, widen_row);
     for (int64_t g = 0; g < G; ++g) {
       const float* w = scores + g * kChunk + t;
       float* __restrict acc = part + g * stride + 2;
@@ -197,8 +202,7 @@ void attend_chunk(const float* __restrict q, const T* __restrict kh, const T* __
 // the V sums went through memory for every token). Here: K rows widened once per block into a
 // buffer, 16 tokens' dot products per head summed in registers and reduced together by one
 // transpose-add tree, exp 16 scores at a time, each head's V sums kept in registers over a
-// block. (Prefetching the next 1-3 blocks, whose place the hardware cannot guess, read the same
-// as none: 32 rows x 200 tokens, 30 layers from memory.)
+// block; the block two ahead prefetched a row per row widened (BlockRows).
 inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 widen16(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -255,16 +259,11 @@ void attend_chunk_avx512(const float* __restrict q, const T* __restrict kh,
   // the rows of K or V from position t0 + t to the end of its block (at most kMaxBlock) or of
   // the chunk, widened into `buf`, the block ahead prefetched meanwhile; returns how many
   const BlockRows<T> at(blocks, bs, t0, n, DIM);
+  const auto widen_row = [](const T* src, float* dst) {
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(dst + 16 * j, widen16(src + 16 * j));
+  };
   auto widen_block = [&](const T* base, const T* then, int64_t t) {
-    const int64_t rows = at.rows(t);
-    const T* src = at.row(base, t);
-    const char* pf = at.ahead(base, then, t);
-    for (int64_t r = 0; r < rows; ++r) {
-      at.prefetch_row(pf, r);
-      for (int j = 0; j < NV; ++j)
-        _mm512_storeu_ps(buf + r * DIM + 16 * j, widen16(src + r * DIM + 16 * j));
-    }
-    return rows;
+    return at.widen_block(base, then, t, buf, widen_row);
   };
   for (int64_t t = 0; t < n;) {
     const int64_t rows = widen_block(kh, vh, t);
@@ -565,4 +564,3 @@ TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
   m.impl("paged_decode_attention", &crowdchat::paged_decode_attention);
   m.impl("paged_prefill_attention", &crowdchat::paged_prefill_attention);
 }
-

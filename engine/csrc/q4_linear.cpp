@@ -568,5 +568,4 @@ TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
 #ifdef CROWDCHAT_Q4_DOT
   m.impl("int8_dot", &int8_dot);
 #endif
-
 }
