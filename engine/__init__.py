@@ -18,6 +18,7 @@ from engine.errors import (
     ServerBusy,
 )
 from engine.handle import RequestFailed, RequestHandle
+from engine.kv_file import KVFile, KVFileDamaged, kv_crc32, read_kv_file
 from engine.metrics import EngineStats
 from engine.model_runner import StepRunner
 from engine.resident import KVExport
@@ -34,6 +35,8 @@ __all__ = [
     "FinishReason",
     "InvalidRequest",
     "KVExport",
+    "KVFile",
+    "KVFileDamaged",
     "ModelLoadError",
     "PromptTooLong",
     "RequestFailed",
@@ -41,5 +44,7 @@ __all__ = [
     "SamplingParams",
     "ServerBusy",
     "StepRunner",
+    "kv_crc32",
     "open_backend",
+    "read_kv_file",
 ]

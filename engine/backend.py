@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.handle import RequestHandle
+from engine.kv_file import KVFile
 from engine.metrics import EngineStats, Metrics
 from engine.resident import KVExport
 from engine.sequence import SamplingParams
@@ -32,8 +33,9 @@ class Backend(Protocol):
 
     `keeps_kv`: whether this backend holds sessions' KV where crowdchat can export, import
     and drop it. Without it (an upstream server keeps KV in its own prefix cache) the KV calls
-    are no-ops (`resident_kv` empty, `export_kv` None, `import_kv` False) and the session layer
-    takes no snapshots: the conversation in SQLite is the truth and is sent whole every turn.
+    are no-ops (`resident_kv` empty, `export_kv` None, `import_kv` and `import_kv_file` False)
+    and the session layer takes no snapshots: the conversation in SQLite is the truth and is
+    sent whole every turn.
     """
 
     tokenizer: PreTrainedTokenizerBase
@@ -82,6 +84,9 @@ class Backend(Protocol):
     def export_kv(self, owner: str) -> KVExport | None: ...
     def import_kv(
         self, owner: str, kv: KVExport, cache_ns: str | None = None, shareable_prefix: int = 0
+    ) -> bool: ...
+    def import_kv_file(
+        self, owner: str, kv: KVFile, cache_ns: str | None = None, shareable_prefix: int = 0
     ) -> bool: ...
     def drop_kv(self, owner: str) -> bool: ...
 

@@ -24,7 +24,10 @@
   ~20 and ~10 ATen calls, computing bitwise the same values; `decode_layer`
   (`csrc/decode_layer.cpp`): a whole layer of a few-row decode step over these, from C++.
 - `kv_scatter` (`csrc/kv_copy.cpp`): a restore's copy of exported K/V into the pool, one
-  `memcpy` per row over all cores, 2x faster than `index_copy_` of the transposed export.
+  `memcpy` per row over all cores, 2x faster than `index_copy_` of the transposed export;
+  `kv_read_file`, a disk restore's read of a snapshot straight into reserved blocks of the
+  pool: a layer at a time read, checksummed (PyTorch's own CRC-32 header) and copied in one
+  pass on the restore thread, the GIL released.
 
 They are built with PyTorch's own extension builder (a C++ compiler and ninja; ~1 minute on 2
 cores) into `~/.cache/crowdchat/kernels/`, `-march=native` for the CPU they run on; `make`

@@ -24,6 +24,7 @@ from engine.errors import EngineStopped, InvalidRequest, ServerBusy
 from engine.fair_share import make_policy
 from engine.handle import RequestHandle
 from engine.kv_cache import KVCache, bytes_per_token, pool_blocks
+from engine.kv_file import KVFile, read_kv_file
 from engine.loader import LoadedModel, dtype_name, load_model
 from engine.messages import Call, Cancel, Message, Stop, Submit
 from engine.metrics import EngineStats, Metrics, engine_stats
@@ -240,6 +241,36 @@ class Engine(ConfigFacts):
                 owner, kv, self.cache, reclaim, cache_ns, max(0, shareable_prefix)
             )
         )
+
+    def import_kv_file(
+        self, owner: str, kv: KVFile, cache_ns: str | None = None, shareable_prefix: int = 0
+    ) -> bool:
+        """`import_kv` of KV stored in a file; False if the pool cannot hold it. On a CPU pool
+        the file is read on the calling thread straight into blocks the engine thread sets
+        aside, so no step waits for the disk. Raises KVFileDamaged for a short, unreadable or
+        corrupted file, InvalidRequest as `import_kv`."""
+        _, layers, heads, _, dim = self.cache.data.shape
+        if kv.shape != (layers, len(kv.token_ids), heads, dim):
+            raise InvalidRequest(f"KV of shape {kv.shape} does not fit this model")
+        if not self.cache.reads_files(kv):  # read here, copied into the pool by the engine
+            k, v = read_kv_file(kv)
+            return self.import_kv(owner, KVExport(kv.token_ids, k, v), cache_ns, shareable_prefix)
+        sched = self.scheduler
+        reclaim = lambda need: sched.reclaim(need, keep_owner=owner)  # noqa: E731
+        res = self._call(
+            lambda: sched.resident.reserve(
+                owner, kv.token_ids, reclaim, cache_ns, max(0, shareable_prefix)
+            )
+        )
+        if res is None:
+            return False
+        loaded = False
+        try:
+            self.cache.load_file(res.block_table, kv, res.start)
+            loaded = True
+        finally:
+            resident = self._call(lambda: sched.resident.finish(res, loaded))
+        return resident
 
     def drop_kv(self, owner: str) -> bool:
         """Free an owner's resident KV; True if it had any."""

@@ -12,6 +12,7 @@ import torch
 from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, ModelLoadError
+from engine.kv_file import KVFile, KVFileDamaged
 from engine.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -141,3 +142,26 @@ class KVCache:
             return
         self.data[0].index_copy_(2, idx, k.transpose(1, 2))
         self.data[1].index_copy_(2, idx, v.transpose(1, 2))
+
+    def load_file(self, block_table: list[int], kv: KVFile, start: int) -> None:
+        """Write a file's K and V into positions `start`.. of the blocks on the calling thread,
+        where `reads_files(kv)`: the blocks are reserved (nothing reads them meanwhile), and
+        one pass over the file checksums all its bytes and copies them, with the GIL released.
+        Raises KVFileDamaged for a bad file, before or after writing into the blocks (the
+        caller then lets them go)."""
+        assert self.reads_files(kv)
+        n = len(kv.token_ids)
+        idx = self.slots(block_table, start, n)
+        read = torch.ops.crowdchat.kv_read_file
+        try:
+            crc = read(str(kv.path), kv.k_at, self.data[0], idx, n, start, 0)
+            crc = read(str(kv.path), kv.v_at, self.data[1], idx, n, start, crc)
+        except ValueError as e:  # the file, not the call (`kv_read_file`'s own checks)
+            raise KVFileDamaged(f"unreadable ({e})") from e
+        if crc != kv.crc32:
+            raise KVFileDamaged("K/V data do not match their hash (corrupted)")
+
+    def reads_files(self, kv: KVFile) -> bool:
+        """Whether `load_file` can read `kv`: a CPU pool of its dtype, with crowdchat's kernels."""
+        cpu = self.data.device.type == "cpu" and kv.dtype == self.data.dtype
+        return cpu and cpu_kernels.loaded()

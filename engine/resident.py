@@ -33,6 +33,19 @@ class ResidentKV:
     last_used: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class Reservation:
+    """Blocks set aside for an owner's KV while a load fills them (`ResidentCache.reserve`):
+    the first `start` tokens' blocks came from the prefix cache, the rest are to be filled."""
+
+    owner: str
+    token_ids: list[int]
+    block_table: list[int]
+    hashes: list[bytes]  # of its full blocks, registered once loaded
+    start: int = 0
+    dropped: bool = False  # the owner's KV was dropped while it loaded: let go when finished
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading items `a` and `b` share."""
     n = 0
@@ -51,6 +64,7 @@ class ResidentCache:
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self._entries: OrderedDict[str, ResidentKV] = OrderedDict()
+        self._loading: list[Reservation] = []  # blocks loads are filling
         self.num_dropped = 0  # entries dropped to make room (not by their owner's request)
         self.num_loaded_from_cache = 0  # tokens of loaded KV found in the prefix cache instead
 
@@ -81,7 +95,10 @@ class ResidentCache:
         return self._entries.pop(owner, None)
 
     def drop(self, owner: str) -> bool:
-        """Free the owner's resident KV; True if it had any."""
+        """Free the owner's resident KV (a load in flight lets its blocks go when it
+        finishes); True if it had any."""
+        for res in self._loading:
+            res.dropped = res.dropped or res.owner == owner
         entry = self._entries.pop(owner, None)
         if entry is None:
             return False
@@ -145,34 +162,70 @@ class ResidentCache:
         shared, not copied: only the rest is loaded."""
         _, layers, heads, _, dim = cache.data.shape
         shape = (layers, len(kv.token_ids), heads, dim)
-        if not kv.token_ids or tuple(kv.k.shape) != shape or tuple(kv.v.shape) != shape:
+        if tuple(kv.k.shape) != shape or tuple(kv.v.shape) != shape:
             raise InvalidRequest(
                 f"KV of shape {tuple(kv.k.shape)} does not fit this model (expected {shape})"
             )
+        res = self.reserve(owner, kv.token_ids, reclaim, namespace, shareable_prefix)
+        if res is None:
+            return False
+        try:
+            if res.start < len(kv.token_ids):
+                cache.load(res.block_table, kv.k[:, res.start :], kv.v[:, res.start :], res.start)
+        except BaseException:
+            self.finish(res, loaded=False)  # a failed copy must not leak the blocks
+            raise
+        return self.finish(res, loaded=True)
+
+    def reserve(
+        self,
+        owner: str,
+        token_ids: list[int],
+        reclaim: Callable[[int], bool],
+        namespace: str | None = None,
+        shareable_prefix: int = 0,
+    ) -> Reservation | None:
+        """The blocks that will hold the owner's KV of `token_ids` (its old KV is dropped):
+        leading ones the prefix cache holds are shared, the rest allocated for a load to fill
+        from `res.start` on, then `finish`; None if `reclaim` cannot free enough blocks. The
+        blocks belong to nobody meanwhile, so the thread filling them needs no engine time."""
+        if not token_ids:
+            raise InvalidRequest("KV of no tokens cannot be loaded")
         self.drop(owner)
         hashes: list[bytes] = []
-        extend_hashes(hashes, kv.token_ids, self.pool.block_size, namespace, shareable_prefix)
+        extend_hashes(hashes, token_ids, self.pool.block_size, namespace, shareable_prefix)
         hits = self.pool.lookup(hashes)
         self.pool.share(hits)  # held first: reclaiming must not evict them
-        blocks = list(hits)
+        need = self.pool.blocks_for(len(token_ids)) - len(hits)
         try:
-            need = self.pool.blocks_for(len(kv.token_ids)) - len(hits)
-            if not reclaim(need):
-                self.pool.free(blocks)
-                return False
-            blocks += self.pool.allocate(need)
-            start = len(hits) * self.pool.block_size
-            if start < len(kv.token_ids):
-                cache.load(blocks, kv.k[:, start:], kv.v[:, start:], start)
+            fresh = self.pool.allocate(need) if reclaim(need) else None
         except BaseException:
-            self.pool.free(blocks)  # a failed copy must not leak the blocks
+            self.pool.free(hits)  # a failed reclaim must not leak the shared blocks
             raise
-        for i in range(len(hits), len(hashes)):
-            self.pool.register(blocks[i], hashes[i])
-        self.num_loaded_from_cache += start
-        self.put(owner, ResidentKV(list(kv.token_ids), blocks))
+        if fresh is None:
+            self.pool.free(hits)
+            return None
+        res = Reservation(owner, list(token_ids), hits + fresh, hashes)
+        res.start = len(hits) * self.pool.block_size
+        self._loading.append(res)
+        return res
+
+    def finish(self, res: Reservation, loaded: bool) -> bool:
+        """End a reservation: with `loaded` (its blocks hold the KV) the owner's resident KV is
+        them, unless the owner's KV was dropped meanwhile; otherwise they are let go. Returns
+        whether the KV is resident."""
+        self._loading.remove(res)
+        if not loaded or res.dropped:
+            self.pool.free(res.block_table)
+            return False
+        for i in range(res.start // self.pool.block_size, len(res.hashes)):
+            self.pool.register(res.block_table[i], res.hashes[i])
+        self.num_loaded_from_cache += res.start
+        self.put(res.owner, ResidentKV(res.token_ids, res.block_table))
         return True
 
     def blocks(self) -> list[int]:
-        """Every block the entries hold, once per entry holding it (for integrity checks)."""
-        return [b for e in self._entries.values() for b in e.block_table]
+        """Every block the entries and the loads in flight hold, once per holder (for
+        integrity checks)."""
+        held = [*self._entries.values(), *self._loading]
+        return [b for e in held for b in e.block_table]

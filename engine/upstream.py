@@ -26,6 +26,7 @@ from engine.backend import ConfigFacts
 from engine.config import EngineConfig
 from engine.errors import EngineStopped, ModelLoadError, ServerBusy
 from engine.handle import RequestHandle
+from engine.kv_file import KVFile
 from engine.loader import local_tokenizer
 from engine.metrics import SERVED_TOP, EngineStats, Metrics, stream_stats
 from engine.resident import KVExport
@@ -195,6 +196,11 @@ class UpstreamBackend(ConfigFacts):
 
     def import_kv(
         self, owner: str, kv: KVExport, cache_ns: str | None = None, shareable_prefix: int = 0
+    ) -> bool:
+        return False
+
+    def import_kv_file(
+        self, owner: str, kv: KVFile, cache_ns: str | None = None, shareable_prefix: int = 0
     ) -> bool:
         return False
 

@@ -10,7 +10,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 
-from engine import Backend, KVExport
+from engine import Backend, KVExport, KVFileDamaged
 from sessions.persist_retry import PersistRetry, PersistStatus, RetryPolicy
 from sessions.snapshots import SnapshotFiles, token_hash
 from sessions.store import Store
@@ -149,12 +149,17 @@ class KVOffloader:
         row = self.store.get_snapshot(sid)
         if row is None:
             return "cold"
-        got = self.files.read(sid, self.fingerprint, row["token_hash"])
-        if got is None:  # damaged, stale or missing: recompute, and forget the file
+        kv = self.files.kv_file(sid, self.fingerprint, row["token_hash"])
+        try:
+            if kv is not None and not self.engine.import_kv_file(
+                sid, kv, *self.cache_key(sid, kv.token_ids)
+            ):
+                return "cold"
+        except KVFileDamaged as exc:
+            log.warning("snapshot %s: ignored, %s (%s)", sid, exc, kv.path)
+            kv = None
+        if kv is None:  # damaged, stale or missing: recompute, and forget the file
             self.drop_snapshot(sid)
-            return "cold"
-        ids, k, v = got
-        if not self.engine.import_kv(sid, KVExport(ids, k, v), *self.cache_key(sid, ids)):
             return "cold"
         self.restores["disk"] += 1
         return "disk"

@@ -5,17 +5,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import struct
 import tempfile
-import zlib
 from pathlib import Path
+from typing import BinaryIO
 
-import safetensors
 import torch
 from safetensors.torch import save
 
+from engine import KVFile, KVFileDamaged, kv_crc32, read_kv_file
 from engine.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -24,9 +25,12 @@ FORMAT = "crowdchat-kv-2"
 SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 _SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-# What a damaged file makes the parser raise. Anything else (a TypeError from a changed
-# safetensors API, say) is a bug here, not a bad file: it propagates so the caller is loud.
-DAMAGED_FILE_ERRORS = (safetensors.SafetensorError, OSError, ValueError, KeyError)
+# What a damaged file makes the header's parser raise (bad JSON: ValueError; a missing key:
+# KeyError; a wrong type: TypeError). Anything else is a bug here, not a bad file: it
+# propagates so the caller is loud.
+DAMAGED_FILE_ERRORS = (OSError, ValueError, KeyError, TypeError, struct.error)
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}  # of K and V
 
 
 def check_session_id(session_id: str) -> str:
@@ -41,18 +45,6 @@ def check_session_id(session_id: str) -> str:
 def token_hash(token_ids: list[int]) -> str:
     """sha256 (hex) of the token ids as little-endian int64."""
     return hashlib.sha256(struct.pack(f"<{len(token_ids)}q", *token_ids)).hexdigest()
-
-
-def kv_hash(k: torch.Tensor, v: torch.Tensor) -> str:
-    """CRC-32 (hex) of K's then V's raw bytes, to catch corruption of the tensor data.
-
-    A checksum, not a cryptographic hash: it guards against torn or flipped bytes, and at
-    ~6.7 GB/s (sha256: ~2 GB/s) it keeps a 2000-token restore's check at ~7 ms.
-    """
-    crc = 0
-    for t in (k, v):
-        crc = zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
-    return f"{crc:08x}"
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -100,7 +92,7 @@ class SnapshotFiles:
             "format": FORMAT,
             "fingerprint": json.dumps(fingerprint, sort_keys=True),
             "token_hash": token_hash(token_ids),
-            "kv_crc32": kv_hash(k, v),
+            "kv_crc32": f"{kv_crc32(k, v):08x}",
         }
         data = save(tensors, metadata=metadata)
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{session_id}.", suffix=TEMP_SUFFIX)
@@ -116,37 +108,61 @@ class SnapshotFiles:
         _fsync_dir(self.directory)
         return final, len(data)
 
+    def kv_file(
+        self,
+        session_id: str,
+        expected_fingerprint: dict,
+        expected_token_hash: str | None = None,
+    ) -> KVFile | None:
+        """Where the snapshot's K and V lie in its file, with everything but their bytes
+        checked (whoever reads those checks them against the CRC-32: `engine.read_kv_file`,
+        or the engine's read straight into its pool); None if the file is missing, damaged or
+        stale. Raises what a bad file cannot explain (a library or programming error)."""
+        path = self.path(session_id)
+        kv = None
+        try:
+            with open(path, "rb") as f:
+                header, at = _header(f)
+                size = os.fstat(f.fileno()).st_size - at
+                metadata = header.get("__metadata__", {})
+                # The header alone settles staleness: no need to read the tensors for that.
+                reason = _stale(metadata, expected_fingerprint, expected_token_hash)
+                if reason is None:
+                    spans = [_span(header, name, size) for name in ("token_ids", "k", "v")]
+                    reason = _layout(*[span[1:] for span in spans], expected_fingerprint)
+                if reason is None:
+                    (ids_at, (n,), _), (k_at, shape, dtype), (v_at, _, _) = spans
+                    ids = struct.unpack(f"<{n}q", os.pread(f.fileno(), 8 * n, at + ids_at))
+                    crc = int(metadata["kv_crc32"], 16)
+                    kv = KVFile(list(ids), path, tuple(shape), dtype, at + k_at, at + v_at, crc)
+                    if token_hash(kv.token_ids) != metadata["token_hash"]:
+                        reason = "stored token ids do not match their hash (corrupted)"
+        except FileNotFoundError:
+            reason = "missing"
+        except DAMAGED_FILE_ERRORS as exc:
+            reason = f"unreadable ({type(exc).__name__}: {exc})"
+        if reason is not None:
+            log.warning("snapshot %s: ignored, %s (%s)", session_id, reason, path)
+            return None
+        return kv
+
     def read(
         self,
         session_id: str,
         expected_fingerprint: dict,
         expected_token_hash: str | None = None,
     ) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
-        """The snapshot's (token_ids, K, V), or None if it is missing, damaged or stale.
-        Raises what a bad file cannot explain (a library or programming error)."""
-        path = self.path(session_id)
-        if not path.is_file():
-            log.warning("snapshot %s: missing (%s)", session_id, path)
+        """The snapshot's (token_ids, K, V) in memory, every byte checked, or None if it is
+        missing, damaged or stale (as `kv_file`)."""
+        kv = self.kv_file(session_id, expected_fingerprint, expected_token_hash)
+        if kv is None:
             return None
         try:
-            # mmap (safetensors' default): a cold 44 MB snapshot read in ~25 ms against ~48
-            # with backend="pread" (Zen 5 EPYC, page cache evicted). The files are replaced
-            # whole (written aside, then renamed), never truncated in place, so a mapping
-            # cannot lose its pages; a short or damaged file fails at open or at the checks
-            with safetensors.safe_open(path, framework="pt") as f:
-                metadata = f.metadata() or {}
-                # The header alone settles staleness: no need to read the tensors for that.
-                reason = _stale(metadata, expected_fingerprint, expected_token_hash)
-                if reason is None:
-                    ids = f.get_tensor("token_ids")  # [T]
-                    k, v = f.get_tensor("k"), f.get_tensor("v")  # [L, T, H_kv, D]
-                    reason = _damaged(metadata, ids, k, v, expected_fingerprint)
-        except DAMAGED_FILE_ERRORS as exc:
-            reason = f"unreadable ({type(exc).__name__}: {exc})"
-        if reason is not None:
-            log.warning("snapshot %s: ignored, %s (%s)", session_id, reason, path)
+            k, v = read_kv_file(kv)
+        except KVFileDamaged as exc:
+            log.warning("snapshot %s: ignored, %s (%s)", session_id, exc, kv.path)
             return None
-        return ids.tolist(), k, v
+        return kv.token_ids, k, v
 
     def delete(self, session_id: str) -> bool:
         """Remove the session's snapshot file; returns whether there was one."""
@@ -185,6 +201,37 @@ class SnapshotFiles:
         return swept
 
 
+def _header(f: BinaryIO) -> tuple[dict, int]:
+    """A safetensors file's header (a little-endian u64 length, then that many bytes of JSON)
+    and where the tensors' bytes start. safetensors parses it too, but tells no file offsets,
+    which a read straight into the KV pool needs."""
+    head = f.read(8)
+    if len(head) != 8:
+        raise ValueError("no header")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES:
+        raise ValueError(f"a header of {n} bytes")
+    raw = f.read(n)
+    header = json.loads(raw) if len(raw) == n else None
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__", {}), dict):
+        raise ValueError("not a safetensors header")
+    return header, 8 + n
+
+
+def _span(header: dict, name: str, size: int) -> tuple[int, list[int], torch.dtype]:
+    """Where tensor `name`'s bytes start within the data (`size` bytes), its shape and dtype,
+    once its entry is checked to describe bytes inside the data."""
+    entry = header[name]
+    begin, end = entry["data_offsets"]
+    shape, dtype = entry["shape"], {**DTYPES, "I64": torch.int64}.get(entry["dtype"])
+    if dtype is None or not all(isinstance(x, int) and x >= 0 for x in shape):
+        raise ValueError(f"{name}: {entry['dtype']} {shape}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not (isinstance(begin, int) and 0 <= begin and end == begin + nbytes <= size):
+        raise ValueError(f"{name}: bytes {begin}..{end} of {size}")
+    return begin, shape, dtype
+
+
 def _stale(metadata: dict[str, str], fingerprint: dict, expected_hash: str | None) -> str | None:
     """Why the header says this snapshot cannot be used here, or None."""
     if metadata.get("format") != FORMAT:
@@ -196,23 +243,16 @@ def _stale(metadata: dict[str, str], fingerprint: dict, expected_hash: str | Non
     return None
 
 
-def _damaged(
-    metadata: dict[str, str],
-    ids: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    fingerprint: dict,
+def _layout(
+    ids: tuple[list[int], torch.dtype], k: tuple[list[int], torch.dtype], v: tuple, fp: dict
 ) -> str | None:
-    """Why the tensors disagree with the header or with each other, or None."""
-    if ids.dtype != torch.int64 or ids.ndim != 1:
-        return f"bad token_ids tensor {ids.dtype} {tuple(ids.shape)}"
-    if k.ndim != 4 or k.shape != v.shape or k.dtype != v.dtype or k.shape[1] != ids.numel():
-        return f"K {tuple(k.shape)} / V {tuple(v.shape)} do not match {ids.numel()} tokens"
-    layout = {"num_layers": k.shape[0], "num_kv_heads": k.shape[2], "head_dim": k.shape[3]}
-    if any(key in fingerprint and fingerprint[key] != n for key, n in layout.items()):
-        return f"K/V shape {tuple(k.shape)} does not match the fingerprint"
-    if token_hash(ids.tolist()) != metadata["token_hash"]:
-        return "stored token ids do not match their hash (corrupted)"
-    if kv_hash(k, v) != metadata["kv_crc32"]:
-        return "K/V data do not match their hash (corrupted)"
+    """Why the tensors' shapes and dtypes disagree with each other or this model, or None."""
+    (id_shape, id_dtype), (k_shape, k_dtype), (v_shape, v_dtype) = ids, k, v
+    if id_dtype != torch.int64 or len(id_shape) != 1:
+        return f"bad token_ids tensor {id_dtype} {id_shape}"
+    if len(k_shape) != 4 or k_shape != v_shape or k_dtype != v_dtype or k_shape[1] != id_shape[0]:
+        return f"K {k_shape} / V {v_shape} do not match {id_shape[0]} tokens"
+    layout = {"num_layers": k_shape[0], "num_kv_heads": k_shape[2], "head_dim": k_shape[3]}
+    if any(key in fp and fp[key] != n for key, n in layout.items()):
+        return f"K/V shape {k_shape} does not match the fingerprint"
     return None

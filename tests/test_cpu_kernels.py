@@ -2,7 +2,8 @@
 float64 from the same blocks: seeded random shapes, pool dtypes, block tables and lengths
 (chunk edges included); a sequence's output does not depend on the rest of its batch; bad
 tables and lengths raise instead of reading outside the pool. Its prefill sibling: causal
-within float64 and bitwise the decode of each token. A restore's copy into the pool. Then the
+within float64 and bitwise the decode of each token. A restore's copy into the pool, from
+memory and straight from a file. Then the
 steps' glue ops: `rope_store`, `round_to_bf16` and `silu_mul` bitwise what Python and ATen
 compute, and bad inputs refused (the whole layer's bitwise equality is
 tests/test_lean_llama.py's)."""
@@ -10,6 +11,8 @@ tests/test_lean_llama.py's)."""
 from __future__ import annotations
 
 import random
+import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,6 +206,45 @@ def test_kv_scatter_writes_what_index_copy_writes_and_refuses_bad_slots(kernel, 
                 torch.ops.crowdchat.kv_scatter(pool, x, i)
         assert torch.equal(pool.view(torch.uint8), before.view(torch.uint8))
         torch.ops.crowdchat.kv_scatter(pool, kv, idx)
+        assert torch.equal(pool.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_kv_read_file_copies_what_kv_scatter_copies_and_checksums_every_byte(
+    kernel, dtype, tmp_path: Path
+) -> None:
+    """A restore straight from a snapshot file: the tokens after `skip` land in the pool
+    bitwise as `kv_scatter` puts them, the returned CRC-32 is zlib's over all the tensor's
+    bytes (skipped ones too) continued from the one passed in; bad arguments are a
+    RuntimeError that leaves the pool as it was, a missing or short file a ValueError (a bad
+    snapshot)."""
+    gen = torch.Generator().manual_seed(1)
+    read = torch.ops.crowdchat.kv_read_file
+    for layers, heads, slots, d, t, skip in [(2, 3, 64, 64, 5, 0), (30, 3, 4096, 64, 2005, 48)]:
+        kv = torch.randn(layers, t, heads, d, generator=gen).to(dtype)
+        raw = kv.view(torch.uint8).numpy().tobytes()
+        path = tmp_path / "kv.bin"
+        path.write_bytes(b"x" * 13 + raw)  # an odd offset, as nothing aligns it
+        pool = torch.randn(layers, heads, slots, d, generator=gen).to(dtype)
+        idx = torch.randperm(slots, generator=gen)[: t - skip]
+        expected = pool.clone()
+        torch.ops.crowdchat.kv_scatter(expected, kv[:, skip:].contiguous(), idx)
+        before = pool.clone()
+        bad_calls = {
+            "slot out of range": (13, idx.clone().fill_(slots), skip, 0),
+            "slots must number": (13, idx[:-1], skip, 0),
+            "bad offset or crc": (13, idx, skip, 1 << 32),
+        }
+        for message, (at, i, k, crc) in bad_calls.items():
+            with pytest.raises(RuntimeError, match=message):
+                read(str(path), at, pool, i, t, k, crc)
+        assert torch.equal(pool.view(torch.uint8), before.view(torch.uint8))
+        # a bad file may have been copied in part (into blocks the caller then lets go)
+        with pytest.raises(ValueError, match="cannot open"):
+            read(str(tmp_path / "gone"), 13, pool, idx, t, skip, 0)
+        with pytest.raises(ValueError, match="shorter than its tensor"):
+            read(str(path), 14, pool, idx, t, skip, 0)
+        assert read(str(path), 13, pool, idx, t, skip, 7) == zlib.crc32(raw, 7)
         assert torch.equal(pool.view(torch.uint8), expected.view(torch.uint8))
 
 

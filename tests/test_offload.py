@@ -13,8 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import KVExport
-from sessions import snapshots
+from engine import KVExport, KVFile, read_kv_file
 from sessions.offload import KVOffloader
 from sessions.persist_retry import PersistRetry, RetryPolicy
 from sessions.snapshots import SnapshotFiles
@@ -44,6 +43,11 @@ class FakeEngine:
     ) -> bool:
         self.resident[sid] = kv
         return True
+
+    def import_kv_file(
+        self, sid: str, kv: KVFile, cache_ns: str | None = None, shareable_prefix: int = 0
+    ) -> bool:
+        return self.import_kv(sid, KVExport(kv.token_ids, *read_kv_file(kv)))
 
     def resident_kv(self) -> dict[str, tuple[int, int, float]]:
         return {s: (len(kv.token_ids), 1, 999.0) for s, kv in list(self.resident.items())}
@@ -208,14 +212,14 @@ def test_an_unexpected_restore_error_is_logged_counted_and_the_session_recompute
     sid = rig.session("s")
     assert rig.off.persist(sid) and sid not in rig.engine.resident
 
-    def old_safetensors(*args: object, **kwargs: object) -> None:
-        raise TypeError("safe_open() got an unexpected keyword argument 'backend'")
+    def engine_bug(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("slot out of range")  # the engine's fault, not the file's
 
-    monkeypatch.setattr(snapshots.safetensors, "safe_open", old_safetensors)
+    monkeypatch.setattr(rig.engine, "import_kv_file", engine_bug)
     with caplog.at_level(logging.WARNING):
         assert rig.off.restore(sid) == "cold"  # still served: the engine recomputes
     assert rig.off.restore_errors == 1
-    assert "unexpected keyword argument 'backend'" in rig.off.last_restore_error
+    assert "slot out of range" in rig.off.last_restore_error
     assert rig.off.last_error == rig.off.last_restore_error  # on the admin page's warnings
     error = next(r for r in caplog.records if r.levelno == logging.ERROR)
     assert error.exc_info is not None and "restoring session s failed" in error.getMessage()

@@ -142,3 +142,28 @@ def test_a_changed_prefix_is_admitted_although_its_owner_holds_stale_kv() -> Non
     assert [s for s, _ in plan.prefills] == [edited, bystander]
     assert edited.num_computed == 3  # the shared prefix is still reused
     sched.check_integrity()
+
+
+def test_a_load_in_flight_holds_its_blocks_until_finished_and_a_drop_meanwhile_wins() -> None:
+    """A restore reserves blocks on the engine thread and fills them elsewhere: meanwhile the
+    accounting counts them, eviction cannot take them, and dropping the owner's KV (the admin,
+    a deletion) makes the load let them go when it finishes instead of becoming resident."""
+    sched = Scheduler(BlockPool(6, 16), max_num_seqs=4)
+    cache = sched.resident
+    cache.put("old", ResidentKV(list(range(32)), sched.pool.allocate(2)))
+    reclaim = lambda need: sched.reclaim(need, keep_owner="a")  # noqa: E731
+    res = cache.reserve("a", list(range(1, 65)), reclaim)  # 4 blocks: fits beside "old"
+    assert res is not None and res.start == 0 and len(res.block_table) == 4
+    sched.check_integrity()
+    assert cache.reserve("b", list(range(1, 33)), lambda n: sched.reclaim(n, "b")) is not None
+    assert "old" not in cache and "a" not in cache  # "old" evicted for b; a's load untouched
+    sched.check_integrity()
+    assert cache.finish(res, loaded=True) and cache.get("a").block_table == res.block_table
+    sched.check_integrity()
+    res = cache.reserve("a", list(range(1, 17)), reclaim)  # the owner's old KV goes first
+    assert res is not None and cache.get("a") is None
+    cache.drop("a")
+    sched.check_integrity()
+    assert not cache.finish(res, loaded=True) and "a" not in cache
+    assert sched.pool.num_free == 6 - 2  # only b's blocks, still reserved, are used
+    sched.check_integrity()
