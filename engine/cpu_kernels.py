@@ -28,6 +28,8 @@
   `kv_read_file`, a disk restore's read of a snapshot straight into reserved blocks of the
   pool: a layer at a time read, checksummed (PyTorch's own CRC-32 header) and copied in one
   pass on the restore thread, the GIL released.
+- `omp_threads` (`csrc/threads.cpp`): the calling thread's OpenMP team size, for the engine
+  thread's few-row steps, which run on it alone (engine/model_runner.py `SERIAL_ROWS`).
 
 They are built with PyTorch's own extension builder (a C++ compiler and ninja; ~1 minute on 2
 cores) into `~/.cache/crowdchat/kernels/`, `-march=native` for the CPU they run on; `make`

@@ -41,6 +41,12 @@ MIN_SPLIT_WASTE = 256
 # bf16 pool, one layer: 15 tokens after 2,000 0.47-0.52 ms against SDPA's 0.91-2.4; 64 after
 # 2,000 1.9-2.2 against 2.6-2.8; 128 after 500 1.9-2.2 against 1.5-1.6.
 PREFILL_KERNEL_TOKENS = 64
+# A CPU step of up to this many rows (decodes plus prefill tokens) runs on the engine thread
+# alone. With passive OpenMP waits (engine/threads.py) each parallel region wakes a sleeping
+# thread, ~6 regions a layer, and where an idle core halts (a VM's vCPU) a wake-up costs tens
+# of microseconds each way. Zen 5 EPYC, 2-core firecracker VM, a decode step alone / on both
+# cores: 1 row 4.2 / 5.2 ms, 8 rows 11.0 / 14.3, 16 rows 21.5 / 19.9, 32 rows 37.5 / 32.5.
+SERIAL_ROWS = 12
 
 
 def decode_groups(lens: list[int], block_size: int) -> list[tuple[int, int]]:
@@ -78,6 +84,8 @@ class ModelRunner:
         gen = getattr(self.model, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) or loaded.tokenizer.eos_token_id
         self.stop_ids: list[int] = sorted({eos} if isinstance(eos, int) else set(eos or []))
+        self._team = 0  # the engine thread's OpenMP threads for this step: 1 or all of them
+        self._all_threads = 0  # its own default, read on that thread at its first step
 
     def _metadata(self, plan: StepPlan) -> tuple[StepMetadata, list[int], list[int], list[int]]:
         """Flat input ids, positions and which rows need logits, plus the attention metadata.
@@ -171,8 +179,19 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> dict[Sequence, int]:
         """Run one step; return the sampled next token of each sequence that reached its end."""
+        if self.decode_kernel is not None:  # the CPU, with crowdchat's kernels built
+            rows = len(plan.decodes) + sum(n for _, n in plan.prefills)
+            self._use_threads(rows)
         logits = self.forward(plan)
         sampled = plan.decodes + [s for s, n in plan.prefills if s.num_computed + n == s.num_tokens]
         if not sampled:
             return {}
         return dict(zip(sampled, sample(logits, sampled, self.stop_ids), strict=True))
+
+    def _use_threads(self, rows: int) -> None:
+        """One thread for a step of up to `SERIAL_ROWS` rows, else all (`SERIAL_ROWS`)."""
+        self._all_threads = self._all_threads or torch.get_num_threads()
+        team = 1 if rows <= SERIAL_ROWS else self._all_threads
+        if team != self._team:
+            torch.ops.crowdchat.omp_threads(team)
+            self._team = team

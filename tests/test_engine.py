@@ -23,8 +23,9 @@ from engine import (
 from engine.chat_format import ChatFormatter
 from engine.kv_cache import bytes_per_token
 from engine.loader import LoadedModel
-from engine.model_runner import ModelRunner
+from engine.model_runner import SERIAL_ROWS, ModelRunner
 from engine.scheduler import StepPlan
+from engine.threads import run_in_fresh_thread
 from sessions.snapshots import SnapshotFiles
 from tests.conftest import make_engine
 
@@ -341,6 +342,21 @@ def test_kv_imported_from_a_file_is_exact_shares_the_cached_head_and_damage_leak
             nf4_engine.import_kv_file("s", where)
         nf4_engine.check_integrity()
         assert "s" not in nf4_engine.resident_kv() and nf4_engine.stats().blocks_used == 0
+
+
+def test_a_few_row_step_runs_on_the_engine_thread_alone(
+    nf4_engine: Engine, formatter: ChatFormatter
+) -> None:
+    """Up to SERIAL_ROWS rows a CPU step wakes no other thread (its kernels see one OpenMP
+    thread); a bigger step has them all, as every thread starts with."""
+    threads = run_in_fresh_thread(torch.get_num_threads)
+    assert threads > 1, "the suite runs where torch has more than one thread"
+    nf4_engine.submit(ask(formatter, "Hi"), SamplingParams(max_new_tokens=3)).result()
+    assert nf4_engine._call(torch.get_num_threads) == 1  # its last step: one decode row
+    runner = nf4_engine.runner
+    bigger = lambda: runner._use_threads(SERIAL_ROWS + 1) or torch.get_num_threads()  # noqa: E731
+    assert nf4_engine._call(bigger) == threads
+    assert run_in_fresh_thread(torch.get_num_threads) == threads  # other threads untouched
 
 
 def test_submit_from_many_threads_batches_them(

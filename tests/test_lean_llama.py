@@ -128,13 +128,15 @@ def _decodes_both_ways(loaded: LoadedModel, tmp: Path, seed: int) -> int:
     """Steps of 1-10, 17 and 20 decode rows (the lean forward's path on crowdchat's CPU kernels:
     the 4-bit kernel up to 4 rows (16 where bf16 is native), the dense copies above: float16 on
     FBGEMM, or bfloat16) at random context lengths, run through
-    both forwards: their logits and the K/V they write must be equal bitwise. Returns the steps
-    that took the kernels' path."""
+    both forwards (the lean one also on one thread, as few-row steps run): their logits and the
+    K/V they write must be equal bitwise. Returns the forwards that took the kernels' path."""
     engine = make_engine(loaded, tmp, kv_budget_mb=128)
     engine.shutdown()  # drive the runner on this thread
     runner, pool, cache = engine.runner, engine.pool, engine.runner.cache
     lean = runner.lean
     assert isinstance(lean, LeanLlama) and lean.q4_rows >= 4
+    all_threads = torch.get_num_threads()
+    assert all_threads > 1, "the suite runs where torch has more than one thread"
     taken = []
     direct = lean._decodes
     lean._decodes = lambda *a: taken.append(1) or direct(*a)
@@ -160,18 +162,23 @@ def _decodes_both_ways(loaded: LoadedModel, tmp: Path, seed: int) -> int:
                 ]
             )
             written = []
-            for forward_with in (lean, None):
+            # the lean forward on all threads and on one (a few-row step's, SERIAL_ROWS), then
+            # transformers' loop
+            for forward_with, threads in ((lean, all_threads), (lean, 1), (None, all_threads)):
                 for kv in (*cache.k, *cache.v):
                     kv[:, slots] = float("nan")
                 runner.lean = forward_with
+                torch.ops.crowdchat.omp_threads(threads)
                 try:
                     logits = runner.forward(plan)
                 finally:
                     runner.lean = lean
+                    torch.ops.crowdchat.omp_threads(all_threads)
                 written.append((logits, [kv[:, slots].clone() for kv in (*cache.k, *cache.v)]))
-            (fast, fast_kv), (slow, slow_kv) = written
-            assert torch.equal(fast, slow), (fast - slow).abs().max()
-            assert all(torch.equal(a, b) for a, b in zip(fast_kv, slow_kv, strict=True))
+            (fast, fast_kv), *others = written
+            for slow, slow_kv in others:
+                assert torch.equal(fast, slow), (fast - slow).abs().max()
+                assert all(torch.equal(a, b) for a, b in zip(fast_kv, slow_kv, strict=True))
             for s in plan.decodes:
                 s.num_computed += 1
                 s.token_ids.append(rng.randrange(100, 20000))
@@ -186,4 +193,5 @@ def test_decodes_on_the_cpu_kernels_equal_transformers_bitwise(
 ) -> None:
     if not cpu_kernels.load():
         pytest.skip("crowdchat's CPU kernels cannot be built here")
-    assert run_in_fresh_thread(lambda: _decodes_both_ways(nf4_fp32_model, tmp_path, seed)) == 12
+    steps = run_in_fresh_thread(lambda: _decodes_both_ways(nf4_fp32_model, tmp_path, seed))
+    assert steps == 2 * 12  # every plan on the kernels' path, on all threads and on one
