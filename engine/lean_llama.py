@@ -16,8 +16,9 @@ model's own rotary module, so its scaled variants (Llama 3's) are computed as tr
 
 A step of decodes only, where compute is float32 on the CPU with crowdchat's kernels built and
 the projections on its 4-bit kernel (the CPU default without native bf16), goes further
-(`_decodes`): up to 4 rows each layer is one `crowdchat::decode_layer` call, which runs the
-kernels from C++; above, the fused q/k/v output goes straight into one `crowdchat::rope_store`
+(`_decodes`): up to `q4_rows` rows the whole step is one `crowdchat::decode_stack` call, each
+layer a `decode_layer` that runs the kernels from C++, the rows split over the threads in one
+parallel region; above, the fused q/k/v output goes straight into one `crowdchat::rope_store`
 call (RoPE on q and k, the new K/V into the pool), then the paged attention op and the
 projections' float16 dense copies: ~14 Python calls a layer instead of ~50. The same values
 bitwise, and 1.6x faster at one row, 1.15x at eight (README "A decode step on the kernels").
@@ -126,7 +127,7 @@ class LeanLlama:
         if self.layers and all(layer.q4 is not None for layer in self.layers):
             self.q4_rows = min(m.dense_rows if m.dense is not None else 1 << 30 for m in own)
             self.dense_above = all(m.dense is not None for m in own)
-        # up to `q4_rows` rows, each layer is one `crowdchat::decode_layer` call: its weights
+        # up to `q4_rows` rows, all layers are one `crowdchat::decode_stack` call: its weights
         # (the op takes one eps: where the norms' differ, only the dense copies' path is taken)
         norms = [n for layer in self.layers for n in (layer.norm1, layer.norm2)]
         self.eps = norms[0].variance_epsilon if norms else 0.0
@@ -140,6 +141,10 @@ class LeanLlama:
                 + [o_proj.scales_zeros, layer.norm2.weight, gate_up.packed]
                 + [gate_up.scales_zeros, down.packed, down.scales_zeros]
             )
+        self.stack_weights = [w for weights in self.layer_weights for w in weights]
+        self.scaling = self.layers[0].attn.scaling if self.layers else 1.0
+        if any(layer.attn.scaling != self.scaling for layer in self.layers):
+            self.q4_rows = 0  # `decode_stack` takes one scale for every layer
         # False: every step takes `forward`'s general loop (benchmarks and tests compare them)
         self.kernel_decodes = bool(self.q4_rows) or self.dense_above
 
@@ -192,8 +197,9 @@ class LeanLlama:
         meta: StepMetadata,
     ) -> torch.Tensor:  # [T, C]
         """A step of decodes only, float32, on crowdchat's CPU kernels. Up to `q4_rows` rows
-        each layer is one `crowdchat::decode_layer` call (`engine/csrc/decode_layer.cpp`: the
-        kernels below called from C++); above, ~14 Python calls a layer instead of the loop's
+        the step is one `crowdchat::decode_stack` call (`engine/csrc/decode_layer.cpp`: the
+        kernels below called from C++ layer after layer, the rows split over the threads);
+        above, ~14 Python calls a layer instead of the loop's
         ~50, the projections on their dense copies. The same ops on the same values as
         `forward`'s loop (RoPE and the K/V write as `crowdchat::rope_store` computes them,
         bitwise as in Python), so the logits and the K/V are bitwise the same
@@ -205,15 +211,13 @@ class LeanLlama:
         (group,) = meta.decode_groups  # the CPU kernel takes all decodes as one group
         t, nq, nkv, bs = h.shape[0], self.heads, self.kv_heads, meta.block_size
         cos, sin = cos.contiguous(), sin.contiguous()
-        if t <= self.q4_rows:
-            layer_op, slots = ops.decode_layer.default, meta.slot_mapping
-            for layer, weights in zip(self.layers, self.layer_weights, strict=True):
-                i, scale = layer.attn.layer_idx, layer.attn.scaling
-                h = layer_op(
-                    h, weights, self.eps, cos, sin, meta.k_cache[i], meta.v_cache[i], slots,
-                    group.blocks, group.lens, bs, scale, nq, nkv,
-                )  # fmt: skip
-            return h
+        if t <= self.q4_rows:  # every layer in one call, its rows split over the threads
+            k_caches = [meta.k_cache[layer.attn.layer_idx] for layer in self.layers]
+            v_caches = [meta.v_cache[layer.attn.layer_idx] for layer in self.layers]
+            return ops.decode_stack.default(
+                h, self.stack_weights, self.eps, cos, sin, k_caches, v_caches,
+                meta.slot_mapping, group.blocks, group.lens, bs, self.scaling, nq, nkv,
+            )  # fmt: skip
 
         for layer in self.layers:  # the dense copies, called as `forward`'s loop calls them
             kc, vc = meta.k_cache[layer.attn.layer_idx], meta.v_cache[layer.attn.layer_idx]

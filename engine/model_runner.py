@@ -42,11 +42,13 @@ MIN_SPLIT_WASTE = 256
 # 2,000 1.9-2.2 against 2.6-2.8; 128 after 500 1.9-2.2 against 1.5-1.6.
 PREFILL_KERNEL_TOKENS = 64
 # A CPU step of up to this many rows (decodes plus prefill tokens) runs on the engine thread
-# alone. With passive OpenMP waits (engine/threads.py) each parallel region wakes a sleeping
-# thread, ~6 regions a layer, and where an idle core halts (a VM's vCPU) a wake-up costs tens
-# of microseconds each way. Zen 5 EPYC, 2-core firecracker VM, a decode step alone / on both
-# cores: 1 row 4.2 / 5.2 ms, 8 rows 11.0 / 14.3, 16 rows 21.5 / 19.9, 32 rows 37.5 / 32.5.
-SERIAL_ROWS = 12
+# alone. With passive OpenMP waits (engine/threads.py) a parallel region wakes a sleeping thread,
+# and where an idle core halts (a VM's vCPU) a wake-up costs tens of microseconds each way; a
+# decode step on the 4-bit kernels is one region (`decode_stack`: its rows split over the
+# threads), which pays off from a few rows. Zen 5 EPYC, 2-core firecracker VM, decode step
+# alone / on both cores: 2 rows 4.9-5.9 / 5.7-6.0 ms, 4 rows 7.0-8.5 / 6.6-9.5, 8 rows
+# 10.3-12.1 / 8.0-8.2, 12 rows 18.8-19.7 / 9.8-10.2.
+SERIAL_ROWS = 3
 
 
 def decode_groups(lens: list[int], block_size: int) -> list[tuple[int, int]]:
