@@ -191,7 +191,8 @@ class ModelRunner:
         return dict(zip(sampled, sample(logits, sampled, self.stop_ids), strict=True))
 
     def _use_threads(self, rows: int) -> None:
-        """One thread for a step of up to `SERIAL_ROWS` rows, else all (`SERIAL_ROWS`)."""
+        """One OpenMP thread for a step of up to `SERIAL_ROWS` rows, else as many as the engine
+        thread started with (`--threads`, or torch's default)."""
         self._all_threads = self._all_threads or torch.get_num_threads()
         team = 1 if rows <= SERIAL_ROWS else self._all_threads
         if team != self._team:
