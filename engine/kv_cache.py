@@ -12,7 +12,7 @@ import torch
 from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, ModelLoadError
-from engine.kv_file import KVFile, KVFileDamaged
+from engine.kv_file import KVFile, KVFileDamaged, check_crc32
 from engine.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -158,8 +158,7 @@ class KVCache:
             crc = read(str(kv.path), kv.v_at, self.data[1], idx, n, start, crc)
         except ValueError as e:  # the file, not the call (`kv_read_file`'s own checks)
             raise KVFileDamaged(f"unreadable ({e})") from e
-        if crc != kv.crc32:
-            raise KVFileDamaged("K/V data do not match their hash (corrupted)")
+        check_crc32(kv, crc)
 
     def reads_files(self, kv: KVFile) -> bool:
         """Whether `load_file` can read `kv`: a CPU pool of its dtype, with crowdchat's kernels."""

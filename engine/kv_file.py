@@ -43,6 +43,12 @@ def kv_crc32(k: torch.Tensor, v: torch.Tensor) -> int:
     return crc
 
 
+def check_crc32(kv: KVFile, crc: int) -> None:
+    """Raises KVFileDamaged unless `crc`, computed over the bytes read, is the file's."""
+    if crc != kv.crc32:
+        raise KVFileDamaged("K/V data do not match their hash (corrupted)")
+
+
 def read_kv_file(kv: KVFile) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V read from the file into memory, checked against the CRC-32. Raises
     KVFileDamaged for a short, unreadable or corrupted file."""
@@ -54,7 +60,6 @@ def read_kv_file(kv: KVFile) -> tuple[torch.Tensor, torch.Tensor]:
         raise KVFileDamaged(f"unreadable ({type(e).__name__}: {e})") from e
     if any(len(p) != nbytes for p in parts):
         raise KVFileDamaged("shorter than its K/V")
-    if zlib.crc32(parts[1], zlib.crc32(parts[0])) != kv.crc32:
-        raise KVFileDamaged("K/V data do not match their hash (corrupted)")
+    check_crc32(kv, zlib.crc32(parts[1], zlib.crc32(parts[0])))
     k, v = (torch.frombuffer(bytearray(p), dtype=kv.dtype).view(kv.shape) for p in parts)
     return k, v

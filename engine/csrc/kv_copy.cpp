@@ -20,6 +20,16 @@
 
 namespace {
 
+// `slots`: n int64 slot ids, each inside the pool half [L, H_kv, slots, D]
+void check_slots(const at::Tensor& pool, const at::Tensor& slots, int64_t n) {
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.size(0) == n,
+              "slots: contiguous int64 [T]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < pool.size(2), "slot out of range");
+}
+
 // the element size, after checking that a pool half, an export and the slots agree
 int64_t check(const at::Tensor& pool, const at::Tensor& kv, const at::Tensor& slots) {
   TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous(), "pool: contiguous [L, H_kv, slots, D]");
@@ -28,12 +38,7 @@ int64_t check(const at::Tensor& pool, const at::Tensor& kv, const at::Tensor& sl
   TORCH_CHECK(kv.size(0) == pool.size(0) && kv.size(2) == pool.size(1) &&
                   kv.size(3) == pool.size(3),
               "kv [L, T, H_kv, D] does not match the pool's layers, heads or head size");
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
-                  slots.size(0) == kv.size(1),
-              "slots: contiguous int64 [T]");
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < slots.size(0); ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < pool.size(2), "slot out of range");
+  check_slots(pool, slots, kv.size(1));
   return pool.element_size();
 }
 
@@ -75,16 +80,14 @@ void kv_scatter(at::Tensor pool, const at::Tensor& kv, const at::Tensor& slots) 
 int64_t kv_read_file(const std::string& path, int64_t offset, at::Tensor pool,
                      const at::Tensor& slots, int64_t tokens, int64_t skip, int64_t crc) {
   TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous(), "pool: contiguous [L, H_kv, slots, D]");
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(),
-              "slots: contiguous int64");
-  TORCH_CHECK(tokens > 0 && skip >= 0 && skip <= tokens && slots.size(0) == tokens - skip,
+  TORCH_CHECK(tokens > 0 && skip >= 0 && skip <= tokens && slots.dim() == 1 &&
+                  slots.size(0) == tokens - skip,
               "slots must number the tokens after `skip`");
+  check_slots(pool, slots, tokens - skip);
   TORCH_CHECK(offset >= 0 && crc >= 0 && crc <= 0xffffffffLL, "bad offset or crc");
   const int64_t L = pool.size(0), H = pool.size(1), S = pool.size(2), D = pool.size(3);
   const int64_t row = D * pool.element_size(), layer = tokens * H * row;
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < slots.size(0); ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "slot out of range");
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   // the file's faults are ValueErrors in Python (a bad snapshot), the arguments' RuntimeErrors
   TORCH_CHECK_VALUE(fd >= 0, "cannot open ", path, ": ", std::strerror(errno));
