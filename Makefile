@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test lint kernel bench peers vllm test-vllm clean
+.PHONY: run test test-avx2 lint kernel bench peers vllm test-vllm clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +33,20 @@ kernel: $(STAMP) /usr/bin/g++ /usr/bin/ninja
 run: kernel
 	$(PY) app.py $(ARGS)
 
+# then the tests of the kernels' loops again on a build for AVX2 CPUs (x86-64-v3 tuned for Zen 3),
+# on any x86-64 machine that runs it, so a machine with AVX-512 tests the loops of those without
+AVX2_ENV := CROWDCHAT_KERNEL_ARCH=x86-64-v3 CROWDCHAT_KERNEL_TUNE=znver3
+KERNEL_TESTS := tests/test_cpu_kernels.py tests/test_cpu_quant.py tests/test_lean_llama.py \
+	tests/test_lean_norm.py tests/test_paged_attention.py
 test: kernel $(CHROMIUM)
 	$(PY) -m pytest -q $(ARGS)
+	$(if $(ARGS),,$(MAKE) --no-print-directory test-avx2)
+
+test-avx2: kernel
+	if grep -qw avx2 /proc/cpuinfo; then \
+		$(AVX2_ENV) $(PY) engine/cpu_kernels.py && \
+		$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS); \
+	else echo "no AVX2 here: the AVX2 build's tests skipped"; fi
 
 # one formatter for the whole tree: `ruff format .` fixes what --check reports
 lint: $(STAMP)

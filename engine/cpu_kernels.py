@@ -33,7 +33,11 @@
 
 They are built with PyTorch's own extension builder (a C++ compiler and ninja; ~1 minute on 2
 cores) into `~/.cache/crowdchat/kernels/`, `-march=native` for the CPU they run on; `make`
-builds them first (`python engine/cpu_kernels.py`, which imports no more than torch). Where
+builds them first (`python engine/cpu_kernels.py`, which imports no more than torch).
+`CROWDCHAT_KERNEL_ARCH` names another `-march` target and `CROWDCHAT_KERNEL_TUNE` an `-mtune`
+one, a build each, so that one machine tests the loops of CPUs it is not: `make test` runs the
+kernel tests again on `x86-64-v3` (AVX2 and FMA, no AVX-512) tuned for Zen 3, whose tuning
+once made the generic attention loop round a prefill chunk unlike the decode. Where
 they cannot be built, decode attention gathers and the 4-bit weights run on PyTorch's kernel,
 as before, and the log says why.
 """
@@ -44,6 +48,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -55,7 +60,24 @@ log = logging.getLogger(__name__)
 SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
 HEADERS = sorted(Path(__file__).with_name("csrc").glob("*.h"))
 NAME = "crowdchat_cpu_kernels"
-FLAGS = ["-O3", "-march=native", "-fopenmp"]
+ARCH_VARIABLE, TUNE_VARIABLE = "CROWDCHAT_KERNEL_ARCH", "CROWDCHAT_KERNEL_TUNE"
+
+
+def _target(variable: str) -> str:
+    """A GCC target name from `variable`, "" where it is unset."""
+    name = os.environ.get(variable, "")
+    if name and not re.fullmatch(r"[a-z0-9][a-z0-9.+_-]*", name):
+        raise ValueError(f"{variable}={name!r} is not a GCC target name such as x86-64-v3")
+    return name
+
+
+def flags() -> list[str]:
+    """This process's compiler flags: `-march=native` unless $CROWDCHAT_KERNEL_ARCH names
+    another target (`x86-64-v3`), and `-mtune` from $CROWDCHAT_KERNEL_TUNE where set."""
+    out = ["-O3", f"-march={_target(ARCH_VARIABLE) or 'native'}", "-fopenmp"]
+    tune = _target(TUNE_VARIABLE)
+    return [*out, f"-mtune={tune}"] if tune else out
+
 
 Kernel = Callable[..., torch.Tensor]
 _lock = threading.Lock()
@@ -72,7 +94,7 @@ def build_dir() -> Path:
             cpu += "".join(dict.fromkeys(x for x in f if x.startswith(("model name", "flags"))))
     except OSError:
         pass
-    what = f"{cpu}|{torch.__version__}|{FLAGS}|".encode()
+    what = f"{cpu}|{torch.__version__}|{flags()}|".encode()
     what += b"".join(p.name.encode() + p.read_bytes() for p in SOURCES + HEADERS)
     key = hashlib.sha256(what).hexdigest()[:12]
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
@@ -117,6 +139,13 @@ def q8_activations() -> bool:
     return load() and bool(torch.ops.crowdchat.q8_activations())
 
 
+def isa() -> str:
+    """The instruction sets the loaded kernels were built for (`avx2+fma+avx512f+...`), or
+    `none` where they cannot be built: the K/V they compute depends on it (engine.loader's
+    fingerprint)."""
+    return str(torch.ops.crowdchat.kernel_isa()) if load() else "none"
+
+
 def q4_linear() -> Kernel | None:
     """The 4-bit weights' few-row matmul op, or None where the kernels cannot be built."""
     return torch.ops.crowdchat.q4_linear if load() else None
@@ -135,7 +164,7 @@ def _build() -> bool:
             cpp_extension.load(
                 name=NAME,
                 sources=[str(p) for p in SOURCES],
-                extra_cflags=FLAGS,
+                extra_cflags=flags(),
                 build_directory=str(where),
                 is_python_module=False,
             )

@@ -66,7 +66,7 @@ class LoadedModel:
     max_position: int
     kernel: str = ""  # what computes the quantized linears (bitsandbytes, torch-int4g32, ...)
     config_hash: str = ""  # canonical config.json (rope_theta, rope_scaling, ...)
-    numerics: str = ""  # versions of the libraries that compute K/V
+    numerics: str = ""  # versions of the libraries (and on CPU the kernels' ISA) computing K/V
 
     def fingerprint(self, block_size: int) -> dict[str, str | int]:
         """What a KV snapshot must match to be reused by this model: everything that
@@ -275,7 +275,9 @@ def _load_model(config: EngineConfig) -> LoadedModel:
         head_dim=head_dim,
         max_position=getattr(mc, "max_position_embeddings", 2048),
         config_hash=config_hash(directory / "config.json"),
-        numerics=numerics_versions(),
+        # on CPU crowdchat's kernels compute K/V too, with loops chosen by their build's ISA
+        numerics=numerics_versions()
+        + (f" kernels={cpu_kernels.isa()}" if device.type == "cpu" else ""),
     )
     log.info(
         "loaded %s (%s via %s, %s) on %s: %.1f MB of weights",

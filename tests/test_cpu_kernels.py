@@ -10,6 +10,7 @@ tests/test_lean_llama.py's)."""
 
 from __future__ import annotations
 
+import os
 import random
 import zlib
 from pathlib import Path
@@ -337,3 +338,21 @@ def test_silu_mul_equals_f_silu_times_up_bitwise(kernel) -> None:
         torch.ops.crowdchat.silu_mul(torch.ones(2, 5), torch.ones(2, 4))
     with pytest.raises(RuntimeError, match="gate, up"):
         torch.ops.crowdchat.silu_mul(torch.ones(5, 2).t(), torch.ones(2, 5))
+
+
+def test_the_loaded_build_has_the_instruction_sets_its_target_names() -> None:
+    """`make test-avx2` tests the AVX2 loops only if its build really lacks AVX-512."""
+    isa = cpu_kernels.isa().split("+")
+    if os.environ.get(cpu_kernels.ARCH_VARIABLE) == "x86-64-v3":
+        assert "avx2" in isa and "fma" in isa and not any(x.startswith("avx512") for x in isa)
+    elif "avx512f" in Path("/proc/cpuinfo").read_text().split():
+        assert "avx512f" in isa  # -march=native: this machine's own
+
+
+def test_a_kernel_target_that_is_no_gcc_name_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_kernels.ARCH_VARIABLE, "x86-64-v3 -fno-tree-vectorize")
+    with pytest.raises(ValueError, match="not a GCC target name"):
+        cpu_kernels.flags()
+    monkeypatch.setenv(cpu_kernels.ARCH_VARIABLE, "x86-64-v3")
+    monkeypatch.setenv(cpu_kernels.TUNE_VARIABLE, "znver3")
+    assert cpu_kernels.flags() == ["-O3", "-march=x86-64-v3", "-fopenmp", "-mtune=znver3"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import EngineConfig, InvalidRequest, ModelLoadError, fingerprint
+from engine import EngineConfig, InvalidRequest, ModelLoadError, cpu_kernels, fingerprint
 from engine.chat_format import ChatFormatter
 from engine.loader import LoadedModel, embedded_gguf, load_model, resolve_checkpoint
 
@@ -161,6 +161,7 @@ def test_the_same_model_has_the_same_fingerprint_and_is_hashed_once(
     assert (tmp_path / fingerprint.CACHE_FILE).is_file()
     assert first["device"] == "cpu" and "torch=" in first["numerics"]
     assert "transformers=" in first["numerics"] and "bitsandbytes=" in first["numerics"]
+    assert f"kernels={cpu_kernels.isa()}" in first["numerics"]  # another build rounds otherwise
 
 
 def test_a_changed_mlp_weight_in_the_middle_of_the_file_changes_the_fingerprint(
