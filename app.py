@@ -44,12 +44,6 @@ log = logging.getLogger("crowdchat")
 STATIC = Path(__file__).resolve().parent / "static"
 
 
-def browser_secret(data_dir: Path) -> str:
-    """The key of the old localStorage identity (gr.BrowserState ships it to every page, so
-    it protects nothing); kept only to read old ids once and move their conversations."""
-    return secret_file(data_dir / "browser.secret")
-
-
 def _gradio_app(app: FastAPI, path: str) -> object:
     """The Gradio app that `gr.mount_gradio_app` mounted at `path` (holds its sign-ins)."""
     return next(r.app for r in app.routes if isinstance(r, Mount) and r.path == path)
@@ -120,8 +114,6 @@ def build_app(
         sessions,
         auth_enabled=users is not None,
         browser_ids=browser_ids,
-        browser_secret=browser_secret(data_dir),
-        move_sessions=sessions.store.reassign_owner,
     )
     section = KeysSection(keys, page) if users is not None else None
     chat = build_chat_blocks(page, concurrency=engine.max_num_seqs, keys=section)

@@ -133,14 +133,6 @@ class Store:
         sql = f"SELECT session_id, bytes FROM snapshots WHERE session_id IN ({marks})"  # noqa: S608
         return dict(self.sql.reader().execute(sql, session_ids).fetchall())
 
-    def reassign_owner(self, old: str, new: str) -> int:
-        """Give every session of `old` to `new` (one UPDATE); returns how many moved."""
-        return self.sql.write(
-            lambda db: (
-                db.execute("UPDATE sessions SET owner = ? WHERE owner = ?", [new, old]).rowcount
-            )
-        )
-
     def update_session(self, id: str, **fields: Any) -> None:
         """Set `fields` on session `id`; raises sqlite_utils NotFoundError if it is absent."""
         fields = _session_fields(fields)

@@ -122,11 +122,9 @@ def session_titled(sm: object, title: str, replies: int, timeout: float = 300) -
 
 
 def loaded(page: Page) -> Page:
-    """Wait until the page's load handler has run (it overwrites the localStorage id of older
-    versions): a Send before it could be painted over by the load's empty page."""
-    page.wait_for_function(
-        "() => window.localStorage.getItem('crowdchat_user') !== null", timeout=60_000
-    )
+    """Wait until the page's load handler has run (it marks the body when done): a Send
+    before it could be painted over by the load's empty page."""
+    page.wait_for_function("() => document.body.dataset.crowdchatLoaded === '1'", timeout=60_000)
     return page
 
 

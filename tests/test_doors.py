@@ -311,7 +311,7 @@ def test_a_forged_or_altered_cookie_is_a_new_identity(anonymous: tuple) -> None:
         assert r.status_code == 200
         assert r.cookies["crowdchat_id"].partition(".")[0] != alice_id
         mallory = Client(url, verbose=False, httpx_kwargs={"cookies": {"crowdchat_id": cookie}})
-        _legacy, convos, history, _system = mallory.predict(None, api_name="/on_load")
+        convos, history, _system = mallory.predict(api_name="/on_load")
         assert convos["choices"] == [] and history == []
 
 
@@ -329,19 +329,44 @@ def test_new_identities_per_address_are_capped(nf4_model: LoadedModel, tmp_path:
         assert httpx.get(url + "/v1/models").status_code == 200
 
 
-def test_a_localstorage_identity_moves_its_conversations_to_the_cookie_once(
+def load_event_as_sent_by_hand(url: str, client: Client, data: list) -> list[str]:
+    """POST the page's load event to Gradio's queue with `data` as its inputs, as a script
+    would (the page never sends an owner); returns the queue's messages for it."""
+    load = next(d for d in client.config["dependencies"] if d.get("api_name") == "on_load")
+    session = "h" + "0" * 10
+    with httpx.Client(base_url=url + "/gradio_api", cookies=client.cookies, timeout=60) as http:
+        body = {"data": data, "fn_index": load["id"], "session_hash": session}
+        http.post("/queue/join", json=body).raise_for_status()
+        with http.stream("GET", "/queue/data", params={"session_hash": session}) as events:
+            lines = []
+            for line in events.iter_lines():
+                lines.append(line)
+                if "process_completed" in line:
+                    return lines
+    return lines
+
+
+def test_knowing_another_browsers_id_gets_nothing_of_its_conversations(
     anonymous: tuple,
 ) -> None:
+    """An older version moved every conversation of a browser id the load event was sent (its
+    localStorage id) to the caller: a script knowing Alice's id took her list."""
     url, sm, _ = anonymous
-    legacy = "ab" * 16
-    old = sm.create_session(f"browser:{legacy}", title="from before the cookie")
-    client = Client(url, verbose=False)
-    cleared, convos, _history, _system = client.predict(legacy, api_name="/on_load")
-    assert cleared == "moved" and convos["value"] == old["id"]
-    assert [c[1] for c in convos["choices"]] == [old["id"]]
-    new_owner = "browser:" + client.cookies["crowdchat_id"].partition(".")[0]
-    assert [s["id"] for s in sm.list_sessions(new_owner)] == [old["id"]]
-    assert sm.list_sessions(f"browser:{legacy}") == []
+    alice = Client(url, verbose=False)
+    alice.predict("Hello, I am Alice.", "", 0.0, 1.0, 16, api_name="/on_send")
+    alice_id = alice.cookies["crowdchat_id"].partition(".")[0]
+    hers = [s["id"] for s in sm.list_sessions(f"browser:{alice_id}")]
+    assert len(hers) == 1
+    bob = Client(url, verbose=False)
+    bob_id = bob.cookies["crowdchat_id"].partition(".")[0]
+    for data in ([alice_id, None], [alice_id], [f"browser:{alice_id}", None]):
+        load_event_as_sent_by_hand(url, bob, data)
+    convos, history, _system = bob.predict(api_name="/on_load")
+    assert convos["choices"] == [] and history == []
+    assert sm.list_sessions(f"browser:{bob_id}") == []
+    assert [s["id"] for s in sm.list_sessions(f"browser:{alice_id}")] == hers
+    again = alice.predict(api_name="/on_load")[0]
+    assert [c[1] for c in again["choices"]] == hers
 
 
 def test_a_body_over_the_cap_gets_413_and_the_server_keeps_serving(anonymous: tuple) -> None:

@@ -91,7 +91,7 @@ def test_signed_in_user_sees_their_conversations_from_any_browser(
         laptop = Client(url, auth=("ann", "s3cret-pass"), verbose=False)
         laptop.predict("Remember the word banana.", "", 0.0, 1.0, 16, api_name="/on_send")
         phone = Client(url, auth=("ann", "s3cret-pass"), verbose=False)
-        _legacy, convos, history, _system = phone.predict(None, api_name="/on_load")
+        convos, history, _system = phone.predict(api_name="/on_load")
         assert len(convos["choices"]) == 1
         assert "banana" in str(history)
         assert sm.list_sessions("user:ann")
@@ -115,7 +115,7 @@ def test_a_conversation_keeps_its_system_prompt_across_reload_switch_and_new_cha
 
         pirate = send("Hello there.", None, "You are a pirate.")
         # a reload: the box shows the conversation's own prompt, so the next Send keeps it
-        _legacy, _convos, sid, _history, system = page.on_load(None, Screen(), me)
+        _convos, sid, _history, system = page.on_load(Screen(), me)
         assert (sid, system) == (pirate, "You are a pirate.")
         send("And again.", sid, system)
         assert sm.get_session(owner, pirate)["system_prompt"] == "You are a pirate."

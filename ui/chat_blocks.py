@@ -16,8 +16,6 @@ def build_chat_blocks(
     batch size), instead of Gradio's default of one event at a time. `keys`: the API keys
     section for signed-in users."""
     with gr.Blocks(title="crowdchat") as demo:
-        # read once on load to move an older version's conversations to the cookie identity
-        legacy = gr.BrowserState(None, storage_key="crowdchat_user", secret=page.browser_secret)
         sid = gr.State(None)
         editing = gr.State(False)
         screen = gr.State(Screen())  # a copy per tab: which conversation it shows
@@ -152,11 +150,10 @@ def build_chat_blocks(
             concurrency_limit=None,
         )
         loaded = demo.load(
-            page.on_load,
-            [legacy, screen],
-            [legacy, convos, sid, chatbot, system],
-            concurrency_limit=None,
+            page.on_load, [screen], [convos, sid, chatbot, system], concurrency_limit=None
         )
         for event in (deleted, loaded):
             then_bar(event)
+        # a mark the browser tests wait for: a Send before the load ran could be painted over
+        loaded.then(None, js="() => { document.body.dataset.crowdchatLoaded = '1'; }")
     return demo

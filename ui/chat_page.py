@@ -7,9 +7,8 @@ Who is who: a signed-in user by Gradio's login; an anonymous browser by the sign
 from __future__ import annotations
 
 import logging
-import re
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import gradio as gr
@@ -20,9 +19,7 @@ from sessions import ChatTurn, SessionManager
 from sessions.relay import Delta, End, Failed, RelayThread
 
 log = logging.getLogger(__name__)
-USER_ID = re.compile(r"^[0-9a-f]{32}$")
 POLL_S = 0.4
-LEGACY_DONE = "moved"  # what replaces an old localStorage id once it has been read
 
 
 def to_chatbot(messages: list[dict]) -> list[dict]:
@@ -47,16 +44,10 @@ class ChatPage:
         sessions: SessionManager,
         auth_enabled: bool = False,
         browser_ids: BrowserIds | None = None,
-        browser_secret: str | None = None,
-        move_sessions: Callable[[str, str], int] | None = None,
     ) -> None:
         self.sm = sessions
         self.auth_enabled = auth_enabled
-        # (old owner, new owner) -> how many moved: one UPDATE on the store's writer
-        self.move_sessions = move_sessions
         self.browser_ids = browser_ids or BrowserIds(secrets.token_hex(32), per_minute=1000)
-        # the key of the old localStorage identity (gr.BrowserState), read once to migrate
-        self.browser_secret = browser_secret or secrets.token_hex(16)
 
     # -- identity and lists -------------------------------------------------------------
     def owner(self, request: gr.Request | None) -> str:
@@ -73,23 +64,17 @@ class ChatPage:
     def choices(self, owner: str) -> list[tuple[str, str]]:
         return [(s["title"] or "New chat", s["id"]) for s in self.sm.list_sessions(owner)]
 
-    def on_load(self, legacy: str | None, screen: Screen, request: gr.Request):  # noqa: ANN201
+    def on_load(self, screen: Screen, request: gr.Request):  # noqa: ANN201
         """Return the latest conversation, if any, and start restoring its KV in the
-        background. `legacy`: the id an older crowdchat kept in localStorage; its
-        conversations move to this browser's cookie identity once, then it is cleared."""
+        background. Who the caller is comes from the signed cookie (or the sign-in) alone:
+        no value the client sends names an owner (an older version moved the conversations of
+        a localStorage id the client sent, which let anyone who knew an id take them)."""
         owner = self.owner(request)
-        if legacy and USER_ID.match(legacy) and self.move_sessions and not self.auth_enabled:
-            old = f"browser:{legacy}"
-            if old != owner and self.sm.list_sessions(old):  # owners are checked per call
-                moved = self.move_sessions(old, owner)
-                log.info("moved %d conversations from a localStorage id to a cookie id", moved)
         choices = self.choices(owner)
         sid = choices[0][1] if choices else None
         screen.sid = sid
         history, system = self.opened(owner, sid) if sid else ([], "")
-        # overwrite the old id (BrowserState does not store a falsy value, so None or "" would
-        # leave it in localStorage); a browser test also waits for this write
-        return LEGACY_DONE, gr.update(choices=choices, value=sid), sid, history, system
+        return gr.update(choices=choices, value=sid), sid, history, system
 
     def on_select(self, sid: str | None, screen: Screen, request: gr.Request):  # noqa: ANN201
         """Outputs: sid, chatbot, status, system prompt box. A reply still streaming in the
