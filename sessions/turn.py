@@ -103,6 +103,14 @@ class ChatTurn:
         self.accepted = True
         return self.handle
 
+    def abandon(self) -> None:
+        """End a turn its reader will never iterate (the page failed between starting it and
+        streaming it): the session, its turn slot and reserved tokens are freed, and nothing
+        is submitted or committed."""
+        assert not self._started, "abandon a turn before it streams"
+        self._started = self._cancelled = True
+        self.close()
+
     def record(self, text: str) -> None:
         self.status = "generating"
         self.text += text

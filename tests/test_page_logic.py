@@ -175,3 +175,61 @@ def test_a_reply_paints_only_while_its_conversation_is_on_screen(
         assert len(sm.messages(owner, other)) == 2
     finally:
         close_sessions(engine, sm)
+
+
+def sent(page: ChatPage, request: gr.Request, message: str, sid: str | None, editing: bool):
+    """Every update of one Send (greedy, 8 tokens), as the page shows them."""
+    return list(page.on_send(message, sid, editing, "", 0.0, 1.0, 8, 1.0, Screen(), request))
+
+
+def test_an_edit_the_engine_refuses_goes_back_into_the_box_with_the_reason(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    """An edit is written only once the engine takes it: refused (here: the engine stopped),
+    the page had cleared the box and left editing, and the text was nowhere."""
+    engine, sm = make_sessions(nf4_model, tmp_path)
+    try:
+        page = ChatPage(sm)
+        owner, me = browser(page)
+        sid = sent(page, me, "Name a colour.", None, False)[-1][3]
+        before = sm.messages(owner, sid)
+        engine.shutdown()
+        chatbot, status, box, _sid, _convos, editing = sent(page, me, "Name a fruit.", sid, True)[
+            -1
+        ]
+        assert status.startswith("Error:") and "shutting down" in status
+        assert box == "Name a fruit." and editing is True
+        assert [m["content"] for m in chatbot] == [m["content"] for m in before]
+        assert sm.messages(owner, sid) == before
+        assert not sm._active  # the session is free for the next try
+    finally:
+        close_sessions(engine, sm)
+
+
+def test_a_conversation_deleted_as_its_turn_starts_leaves_no_turn_holding_the_user(
+    nf4_model: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deleted in another tab between the turn's start and its stream: the turn was never
+    iterated and kept its slot, so four of them (the per-user cap) locked the user out."""
+    engine, sm = make_sessions(nf4_model, tmp_path)
+    try:
+        page = ChatPage(sm)
+        owner, me = browser(page)
+        real_chat = sm.chat
+
+        def chat_then_deleted_elsewhere(*args: object, **kwargs: object) -> object:
+            turn = real_chat(*args, **kwargs)
+            sm.delete_session(owner, turn.session_id)  # the other tab's Delete
+            return turn
+
+        monkeypatch.setattr(sm, "chat", chat_then_deleted_elsewhere)
+        for _ in range(sm.config.max_turns_per_user + 1):
+            sid = sm.create_session(owner)["id"]
+            (_chatbot, status, *_), *rest = sent(page, me, "Hello.", sid, False)
+            assert status.startswith("Error:") and not rest
+        monkeypatch.setattr(sm, "chat", real_chat)
+        *_, (chatbot, status, _box, sid, _convos, _editing) = sent(page, me, "Hi.", None, False)
+        assert status == "" and chatbot[-1]["role"] == "assistant" and chatbot[-1]["content"]
+        assert not sm._active
+    finally:
+        close_sessions(engine, sm)

@@ -176,20 +176,28 @@ class ChatPage:
                 sid = self.sm.create_session(owner, system_prompt=system_prompt or "")["id"]
             else:
                 self.sm.set_system_prompt(owner, sid, system_prompt or "")
-            shown = to_chatbot(self.sm.messages(owner, sid))
             if editing:
                 turn = self.sm.edit_last(owner, sid, message, params)
-                while shown and shown.pop()["role"] != "user":
-                    pass  # the edited message and its replies give way on screen
-                shown.append({"role": "user", "content": message})
             else:
                 turn = self.sm.chat(owner, sid, message, params)
-                shown = to_chatbot(self.sm.messages(owner, sid))
         except CrowdchatError as e:  # the message stays in the box: nothing is lost
             history = to_chatbot(self.sm.messages(owner, sid)) if sid else []
             yield history, f"Error: {e}", gr.update(), sid, gr.update(), editing
             return
-        yield from self._stream(owner, sid, turn, screen, shown, clear_box=True)
+        try:  # the turn holds the session, a turn slot and tokens until it is iterated
+            shown = to_chatbot(self.sm.messages(owner, sid))
+        except BaseException as e:
+            turn.abandon()
+            if not isinstance(e, CrowdchatError):
+                raise
+            yield [], f"Error: {e}", gr.update(), None, gr.update(), editing
+            return
+        if editing:  # the edit is written once the engine takes it
+            while shown and shown.pop()["role"] != "user":
+                pass  # the edited message and its replies give way on screen
+            shown.append({"role": "user", "content": message})
+        typed = (message, editing) if editing else None
+        yield from self._stream(owner, sid, turn, screen, shown, clear_box=True, typed=typed)
 
     def on_regenerate(
         self,
@@ -231,11 +239,15 @@ class ChatPage:
         screen: Screen,
         history: list[dict],
         clear_box: bool,
+        typed: tuple[str, bool] | None = None,
     ) -> Iterator[tuple]:
         """Run the turn on a thread; yield the growing reply, and the status while waiting.
         Only while `sid` is on screen: after the user opened another conversation the turn
         runs on (and is committed) but every yield changes nothing, not even the tab's sid,
-        until they come back. Yielding still lets Gradio close us when the tab goes away."""
+        until they come back. Yielding still lets Gradio close us when the tab goes away.
+        `typed`: (text, editing) of a message written only once the engine takes the turn (an
+        edit): if it never does (queue full, engine stopped, Stop first), the text goes back
+        into the box, editing as before, beside the reason."""
         screen.sid = sid
         screen.focus = None  # the switcher follows the newest branch again
         history.append({"role": "assistant", "content": ""})
@@ -245,7 +257,9 @@ class ChatPage:
 
         on_screen = [True]
 
-        def paint(status: str, box: object = None, convos: object = None) -> tuple:
+        def paint(
+            status: str, box: object = None, convos: object = None, editing: bool = False
+        ) -> tuple:
             if screen.sid != sid:
                 if not on_screen[0]:
                     return (gr.skip(),) * 6
@@ -266,8 +280,17 @@ class ChatPage:
                 gr.skip() if box is None else box,
                 sid,
                 gr.skip() if convos is None else convos,
-                False,
+                editing,
             )
+
+        def given_back(status: str) -> tuple:
+            """The page after a turn the engine never took: as stored, `typed` in the box."""
+            try:
+                history[:] = to_chatbot(self.sm.messages(owner, sid))
+            except CrowdchatError:  # deleted meanwhile
+                history[:] = []
+            text, editing = typed  # type: ignore[misc]
+            return paint(status, box=text, editing=editing)
 
         try:
             yield paint(self.status(turn), box, choices)
@@ -278,10 +301,14 @@ class ChatPage:
                         history[-1]["content"] += text
                         yield paint(self.status(turn))
                     case Failed(error):
-                        yield paint(f"Error: {_message(error)}")
+                        status = f"Error: {_message(error)}"
+                        yield given_back(status) if typed and not turn.accepted else paint(status)
                         return
                     case End():
                         note = "Stopped." if turn.finish_reason == "cancelled" else ""
+                        if typed and not turn.accepted:
+                            yield given_back(note)
+                            return
                         history[:] = to_chatbot(self.sm.messages(owner, sid))  # as stored
                         yield paint(note, convos=gr.update(choices=self.choices(owner), value=sid))
                         return
