@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 
 from api.errors import ApiError
@@ -11,6 +12,12 @@ from engine import InvalidRequest, SamplingParams
 from engine.sequence import PENALTIES
 
 DEFAULT_MAX_TOKENS = 256
+# An OpenAI chat body nests 5 deep (messages, a message, content parts, a part); 64 leaves
+# room for any client's extras, and refusing past it keeps a `[[[[...` body from recursing
+# through the parser (Python's own limit, ~1000, surfaced as a 500).
+MAX_JSON_DEPTH = 64
+# A JSON string (escapes included, so a `\"` does not end it) or one bracket.
+_STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
 GREEDY_BELOW = 1e-5  # smaller temperatures overflow the logits; treat them as greedy
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 ROLE_ALIASES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -36,6 +43,11 @@ def parse_json_object(raw: bytes, required: bool = True) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ApiError("the request body is not valid UTF-8 text") from None
+    if nests_deeper_than(text, MAX_JSON_DEPTH):
+        raise ApiError(
+            f"the request body is JSON nested deeper than {MAX_JSON_DEPTH} levels; "
+            "this server reads no deeper (an OpenAI chat request needs about 5)"
+        )
     try:
         body = json.loads(text)
     except ValueError:
@@ -43,6 +55,24 @@ def parse_json_object(raw: bytes, required: bool = True) -> dict:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     return body
+
+
+def nests_deeper_than(text: str, limit: int) -> bool:
+    """Whether the brackets of JSON `text`, outside its strings, nest deeper than `limit`. A
+    scan, not a parse: it stops at the first bracket past the limit, and a body with too few
+    brackets to nest that deep (every chat request of a few messages) is not scanned."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    depth = 0
+    for match in _STRING_OR_BRACKET.finditer(text):
+        token = match.group()
+        if token in ("[", "{"):
+            depth += 1
+            if depth > limit:
+                return True
+        elif token in ("]", "}"):
+            depth -= 1
+    return False
 
 
 def typed_field(body: dict, name: str, kind: str) -> object:

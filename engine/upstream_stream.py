@@ -44,10 +44,56 @@ def upstream_message(raw: bytes) -> str:
     `{"object": "error", "message": ...}`), else the body's start."""
     try:
         body = json.loads(raw)
-        err = body.get("error", body) if isinstance(body, dict) else {}
-        return str(err.get("message") if isinstance(err, dict) else err) or raw[:200].decode()
-    except ValueError:
-        return raw[:200].decode(errors="replace")
+    except (ValueError, RecursionError):
+        body = None
+    err = body.get("error", body) if isinstance(body, dict) else None
+    message = err.get("message") if isinstance(err, dict) else err
+    return str(message) if message else raw[:200].decode(errors="replace")
+
+
+def read_event(data: bytes) -> dict:
+    """One `data:` payload of the stream, checked to be the object vLLM sends (choices of
+    text and token ids, a usage). UpstreamFailed for an error event and for anything else
+    (an array, a number, a string, a field of the wrong type): either way the replica is
+    failing, and the turn moves on as for any other replica error."""
+    event = orjson.loads(data)  # not JSON: orjson's ValueError, the same replica failure
+    if not isinstance(event, dict):
+        raise UpstreamFailed(f"a malformed event (not a JSON object): {data[:80]!r}")
+    if event.get("error") is not None or event.get("object") == "error":
+        raise UpstreamFailed(upstream_message(data))
+    choices, usage = event.get("choices") or [], event.get("usage")
+    if not (
+        isinstance(choices, list)
+        and all(_is_choice(c) for c in choices)
+        and (usage is None or _is_usage(usage))
+    ):
+        raise UpstreamFailed(f"a malformed event: {data[:80]!r}")
+    return event
+
+
+def _is_choice(choice: object) -> bool:
+    if not isinstance(choice, dict):
+        return False
+    ids = choice.get("token_ids")
+    return (
+        _is_optional(choice.get("text"), str)
+        and _is_optional(choice.get("finish_reason"), str)
+        and (ids is None or (isinstance(ids, list) and all(type(i) is int for i in ids)))
+    )
+
+
+def _is_usage(usage: object) -> bool:
+    if not isinstance(usage, dict):
+        return False
+    details = usage.get("prompt_tokens_details")
+    return _is_optional(usage.get("completion_tokens"), int) and (
+        details is None
+        or (isinstance(details, dict) and _is_optional(details.get("cached_tokens"), int))
+    )
+
+
+def _is_optional(value: object, kind: type) -> bool:
+    return value is None or (isinstance(value, kind) and not isinstance(value, bool))
 
 
 def sse_lines(buffer: bytes) -> tuple[list[bytes], bytes]:
@@ -139,9 +185,7 @@ async def stream_turn(
                         if data == b"[DONE]":
                             ended = True
                             break
-                        event = orjson.loads(data)
-                        if "error" in event:
-                            raise UpstreamFailed(upstream_message(data))
+                        event = read_event(data)
                         usage = event.get("usage") or usage
                         for choice in event.get("choices") or ():
                             text, ids = choice.get("text") or "", choice.get("token_ids") or ()

@@ -25,10 +25,11 @@ FORMAT = "crowdchat-kv-2"
 SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 _SESSION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-# What a damaged file makes the header's parser raise (bad JSON: ValueError; a missing key:
-# KeyError; a wrong type: TypeError). Anything else is a bug here, not a bad file: it
+# What a damaged file makes the header's parser raise (bad JSON: ValueError; JSON nested past
+# the decoder's recursion limit, in the header or its fingerprint: RecursionError; a missing
+# key: KeyError; a wrong type: TypeError). Anything else is a bug here, not a bad file: it
 # propagates so the caller is loud.
-DAMAGED_FILE_ERRORS = (OSError, ValueError, KeyError, TypeError, struct.error)
+DAMAGED_FILE_ERRORS = (OSError, ValueError, RecursionError, KeyError, TypeError, struct.error)
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}  # of K and V
 
