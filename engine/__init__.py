@@ -6,7 +6,7 @@ from engine.threads import prefer_passive_omp_waits
 
 prefer_passive_omp_waits()  # before anything below loads torch (and with it libgomp)
 
-from engine.backend import Backend, open_backend
+from engine.backend import Backend
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import (
@@ -23,6 +23,18 @@ from engine.metrics import EngineStats
 from engine.model_runner import StepRunner
 from engine.resident import KVExport
 from engine.sequence import FinishReason, SamplingParams
+
+
+def open_backend(config: EngineConfig) -> Backend:
+    """The upstream backend with --engine-url, else the built-in engine (loads the model)."""
+    if config.urls():
+        from engine.upstream import UpstreamBackend
+
+        return UpstreamBackend(config)
+    from engine.engine import Engine
+
+    return Engine(config)
+
 
 # What the rest of crowdchat may use; everything else in engine/ is the engine's own.
 __all__ = [

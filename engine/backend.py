@@ -119,14 +119,3 @@ class ConfigFacts:
     @property
     def block_size(self) -> int:
         return self.config.block_size
-
-
-def open_backend(config: EngineConfig) -> Backend:
-    """The upstream backend with --engine-url, else the built-in engine (loads the model)."""
-    if config.urls():
-        from engine.upstream import UpstreamBackend
-
-        return UpstreamBackend(config)
-    from engine.engine import Engine
-
-    return Engine(config)

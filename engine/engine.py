@@ -27,7 +27,7 @@ from engine.kv_cache import KVCache, bytes_per_token, pool_blocks
 from engine.kv_file import KVFile, read_kv_file
 from engine.loader import LoadedModel, dtype_name, load_model
 from engine.messages import Call, Cancel, Message, Stop, Submit
-from engine.metrics import EngineStats, Metrics, engine_stats
+from engine.metrics import SERVED_TOP, EngineStats, Metrics, percentile
 from engine.model_runner import ModelRunner, RunnerFactory
 from engine.output import OutputProcessor, Request
 from engine.resident import KVExport
@@ -200,8 +200,50 @@ class Engine(ConfigFacts):
         return self._thread.is_alive() and self._failure is None
 
     def stats(self) -> EngineStats:
-        """A snapshot for the admin page and metrics."""
-        return engine_stats(self)
+        """A consistent snapshot of the gauges and counters for the admin page and metrics
+        (any thread)."""
+        m, now = self.metrics, time.monotonic()
+        running, resident_owners, resident_blocks = self.gauges
+        with m.lock:
+            return EngineStats(
+                running=running,
+                waiting=self.num_waiting,
+                blocks_total=self.pool.num_blocks,
+                blocks_used=self.pool.num_used,
+                blocks_free=self.pool.num_free,
+                block_size=self.pool.block_size,
+                resident_owners=resident_owners,
+                resident_blocks=resident_blocks,
+                kv_bytes=self.cache.nbytes,
+                kv_bytes_per_token=self.kv_bytes_per_token,
+                model_bytes=self.loaded.model_bytes,
+                max_model_len=self.max_model_len,
+                tokens_per_s=m.tokens_per_s(now),
+                prompt_tokens_total=m.prompt_tokens,
+                generated_tokens_total=m.generated_tokens,
+                ttft_p50_s=percentile(m.ttft, 50),
+                ttft_p95_s=percentile(m.ttft, 95),
+                itl_p50_s=percentile(m.itl, 50),
+                itl_p95_s=percentile(m.itl, 95),
+                step_ms_p50=percentile(m.step_ms, 50),
+                token_budget=self.budget.last,
+                requests_finished=m.finished,
+                requests_failed=m.failed,
+                requests_rejected=m.rejected,
+                preemptions=self.scheduler.num_preemptions,
+                resident_dropped=self.scheduler.num_resident_dropped,
+                steps=m.steps,
+                max_batch_seen=m.max_batch,
+                blocks_cached=self.pool.num_cached,
+                blocks_shared=self.pool.num_shared,
+                prefix_cache_queries=self.scheduler.prefix_queries,
+                prefix_cache_hits=self.scheduler.prefix_hits,
+                schedule=self.scheduler.policy.name,
+                kv_dtype=dtype_name(self.loaded.kv_dtype),
+                served=tuple(self.scheduler.policy.served_top(SERVED_TOP)),
+                alive=self.alive,
+                failure=self.failure,
+            )
 
     def queue_position(self, handle: RequestHandle) -> int | None:
         """How many waiting requests the scheduler would admit before this one under its

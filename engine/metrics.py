@@ -7,12 +7,8 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from engine.engine import Engine
 
 WINDOW_S = 10.0  # tokens/s is measured over this trailing window
 SAMPLES = 2048  # latency samples kept for percentiles
@@ -185,54 +181,6 @@ class Metrics:
     def _expire(self, now: float) -> None:
         while self.token_times and self.token_times[0][0] < now - WINDOW_S:
             self._window_tokens -= self.token_times.popleft()[1]
-
-
-def engine_stats(engine: Engine) -> EngineStats:
-    """A consistent snapshot of the engine's gauges and counters (any thread)."""
-    from engine.loader import dtype_name  # loaded with the engine; upstream needs no torch
-
-    m, now = engine.metrics, time.monotonic()
-    running, resident_owners, resident_blocks = engine.gauges
-    with m.lock:
-        return EngineStats(
-            running=running,
-            waiting=engine.num_waiting,
-            blocks_total=engine.pool.num_blocks,
-            blocks_used=engine.pool.num_used,
-            blocks_free=engine.pool.num_free,
-            block_size=engine.pool.block_size,
-            resident_owners=resident_owners,
-            resident_blocks=resident_blocks,
-            kv_bytes=engine.cache.nbytes,
-            kv_bytes_per_token=engine.kv_bytes_per_token,
-            model_bytes=engine.loaded.model_bytes,
-            max_model_len=engine.max_model_len,
-            tokens_per_s=m.tokens_per_s(now),
-            prompt_tokens_total=m.prompt_tokens,
-            generated_tokens_total=m.generated_tokens,
-            ttft_p50_s=percentile(m.ttft, 50),
-            ttft_p95_s=percentile(m.ttft, 95),
-            itl_p50_s=percentile(m.itl, 50),
-            itl_p95_s=percentile(m.itl, 95),
-            step_ms_p50=percentile(m.step_ms, 50),
-            token_budget=engine.budget.last,
-            requests_finished=m.finished,
-            requests_failed=m.failed,
-            requests_rejected=m.rejected,
-            preemptions=engine.scheduler.num_preemptions,
-            resident_dropped=engine.scheduler.num_resident_dropped,
-            steps=m.steps,
-            max_batch_seen=m.max_batch,
-            blocks_cached=engine.pool.num_cached,
-            blocks_shared=engine.pool.num_shared,
-            prefix_cache_queries=engine.scheduler.prefix_queries,
-            prefix_cache_hits=engine.scheduler.prefix_hits,
-            schedule=engine.scheduler.policy.name,
-            kv_dtype=dtype_name(engine.loaded.kv_dtype),
-            served=tuple(engine.scheduler.policy.served_top(SERVED_TOP)),
-            alive=engine.alive,
-            failure=engine.failure,
-        )
 
 
 # EngineStats fields without meaning for an upstream backend (its pool is vLLM's: `replicas`)
