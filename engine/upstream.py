@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -34,7 +35,7 @@ from engine.routing import Router, probe
 from engine.sequence import FinishReason, SamplingParams, check_prompt
 from engine.served import ServedTokens
 from engine.upstream_net import asyncio_transport
-from engine.upstream_stream import Outcome, completion_body, stream_turn
+from engine.upstream_stream import Outcome, cache_salt, completion_body, stream_turn
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request and health check
@@ -62,6 +63,8 @@ class UpstreamBackend(ConfigFacts):
         self._pending = 0  # requests in flight: --max-num-seqs + --max-queue caps them
         self._stopping = False
         self._ids = itertools.count()
+        # the key of the replicas' cache salts (a restart starts their prefix caches afresh)
+        self._salt_key = secrets.token_bytes(32)
         self._futures: dict[int, Future] = {}
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -123,8 +126,9 @@ class UpstreamBackend(ConfigFacts):
         shareable_prefix: int = 0,
         user: str | None = None,
     ) -> RequestHandle:
-        """Send the request to the replica its owner (session) or user hashes to. `retain`,
-        `cache_ns` and `shareable_prefix` are the upstream prefix cache's business."""
+        """Send the request to the replica its owner (session) or user hashes to. `retain`
+        and `shareable_prefix` are the upstream prefix cache's business; `cache_ns` salts it
+        (`cache_salt`)."""
         params = params or SamplingParams()
         ids = check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         with self._lock:
@@ -142,7 +146,8 @@ class UpstreamBackend(ConfigFacts):
         handle = RequestHandle(seq_id, len(ids), self._cancel)
         key = owner or user or f"request-{seq_id}"
         loop, client = self._requests
-        serve = self._serve(client, handle, ids, params, key, user or owner or "")
+        salt = cache_salt(self._salt_key, cache_ns)
+        serve = self._serve(client, handle, ids, params, key, user or owner or "", salt)
         fut = asyncio.run_coroutine_threadsafe(serve, loop)
         self._futures[seq_id] = fut
         fut.add_done_callback(lambda _f: self._futures.pop(seq_id, None))
@@ -271,6 +276,7 @@ class UpstreamBackend(ConfigFacts):
         params: SamplingParams,
         key: str,
         user: str,
+        salt: str | None,
     ) -> None:
         """Run the turn on its replica; before any token streamed, a failed replica is
         marked down and the next one (by the same hash) gets the turn."""
@@ -295,7 +301,9 @@ class UpstreamBackend(ConfigFacts):
                     self.router,
                     replica,
                     handle,
-                    completion_body(self.upstream_model, ids, params, self.max_model_len, interval),
+                    completion_body(
+                        self.upstream_model, ids, params, self.max_model_len, interval, salt
+                    ),
                     self.metrics,
                     (self.config.upstream_first_token_s, self.config.upstream_idle_s),
                 )

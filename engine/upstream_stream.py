@@ -4,8 +4,10 @@ handle's deltas, and every way it can go wrong becomes the error a user can act 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import enum
+import hmac
 import json
 import logging
 import time
@@ -112,13 +114,30 @@ def rejection(status: int, message: str) -> type[CrowdchatError]:
     return InvalidRequest
 
 
+def cache_salt(key: bytes, namespace: str | None) -> str | None:
+    """vLLM's per-request `cache_salt` for a prefix-cache namespace (a user): its prefix cache
+    then shares blocks only between requests of one salt, so one user's cached conversation
+    never shortens another's time to first token (which would tell them what it said). An
+    HMAC under the server's own key: nobody who can reach the replicas directly can compute a
+    user's salt. vLLM salts a request whole (the first block's hash), so unlike the built-in
+    engine an operator-shared system prompt is cached once per user, not once for all."""
+    if namespace is None:
+        return None
+    return base64.urlsafe_b64encode(hmac.new(key, namespace.encode(), "sha256").digest()).decode()
+
+
 def completion_body(
-    model: str, ids: list[int], p: SamplingParams, max_model_len: int, stream_interval: int = 1
+    model: str,
+    ids: list[int],
+    p: SamplingParams,
+    max_model_len: int,
+    stream_interval: int = 1,
+    salt: str | None = None,
 ) -> dict[str, Any]:
     """The `/v1/completions` request: the prompt as token ids, sampling mapped 1:1, the reply
-    budget cut to the context left (vLLM refuses more; the built-in engine stops there), and
-    how many tokens one streamed chunk may carry (vLLM 0.32 reads it; servers that do not
-    know the field ignore it)."""
+    budget cut to the context left (vLLM refuses more; the built-in engine stops there), how
+    many tokens one streamed chunk may carry (vLLM 0.32 reads it; servers that do not know
+    the field ignore it) and the prefix cache's salt (`cache_salt`)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": ids,
@@ -139,6 +158,7 @@ def completion_body(
         "frequency_penalty": p.frequency_penalty or None,
         "repetition_penalty": p.repetition_penalty if p.repetition_penalty != 1 else None,
         "stream_interval": stream_interval if stream_interval > 1 else None,
+        "cache_salt": salt,
     }
     body.update({k: v for k, v in extra.items() if v is not None})
     return body

@@ -473,6 +473,27 @@ def test_a_slow_first_token_times_out_with_a_message(replicas, local, tmp_path) 
             r.delay = 0.0
 
 
+def test_each_prefix_cache_namespace_salts_the_replicas_cache_with_its_own_secret_salt(
+    up,
+    replicas,  # noqa: ANN001
+) -> None:
+    """vLLM shares cached blocks between requests of one `cache_salt` only: without it, one
+    user's cached conversation shortened another's time to first token for the same text."""
+    _url, backend, sm, _ = up
+    ids = sm.prompts.encode([{"role": "user", "content": "the same words"}], 999)
+
+    def salt_of(cache_ns: str | None) -> str | None:
+        before = [len(r.requests) for r in replicas]
+        backend.submit(ids, cache_ns=cache_ns, user="u").result()
+        (body,) = [b for r, n in zip(replicas, before, strict=True) for b in r.requests[n:]]
+        return body.get("cache_salt")
+
+    alice, bob = salt_of("user:alice"), salt_of("user:bob")
+    assert alice and bob and alice != bob and salt_of("user:alice") == alice
+    assert len(alice) == 44 and "alice" not in alice  # 256 bits, no name in it
+    assert salt_of(None) is None  # no namespace: nothing to keep apart
+
+
 # -- admin, metrics, drain ---------------------------------------------------------------------
 def test_stats_metrics_admin_and_drain(up, replicas) -> None:  # noqa: ANN001
     url, backend, sm, monitor = up
