@@ -4,32 +4,56 @@ make one up; new ids are rationed per client address."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
 import re
 import secrets
+import tempfile
 from pathlib import Path
 
 from doors.throttle import Window
+from engine.errors import InvalidRequest
 
 COOKIE = "crowdchat_id"
 MAX_AGE_S = 400 * 24 * 3600  # the most browsers keep a cookie (Chrome caps at 400 days)
 ID = re.compile(r"^[0-9a-f]{32}$")
+MIN_SECRET_BYTES = 32  # the HMAC key is the file's text (ours: 64 hex characters)
 
 
 def secret_file(path: Path, nbytes: int = 32) -> str:
-    """A random hex secret kept in `path` (created 0600, never world-readable)."""
-    if not path.is_file():
+    """A random hex secret kept in `path` (0600, never world-readable), made on first use.
+
+    It is written whole to a temp file and then linked into place, so `path` never exists
+    half-written (a crash or a full disk leaves no key, and the next start makes one) and,
+    when two servers start at once, the first link wins and both read its key."""
+    if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            pass  # another process made it first
-        else:
-            with os.fdopen(fd, "w") as f:
+            with os.fdopen(fd, "w") as f:  # mkstemp made it 0600
                 f.write(secrets.token_hex(nbytes))
-    return path.read_text().strip()
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # unlike a rename, never replaces a key another made
+            except FileExistsError:
+                pass  # another server made it first: its key is the one
+            except OSError:  # a filesystem without hard links (some network mounts)
+                os.replace(tmp, path)  # still whole; two starts in one instant may differ
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    secret = path.read_text().strip()
+    if len(secret.encode()) < MIN_SECRET_BYTES:
+        # an empty or short key makes what it signs forgeable: refuse to start instead
+        raise InvalidRequest(
+            f"the secret in {path} has {len(secret.encode())} bytes, fewer than "
+            f"{MIN_SECRET_BYTES} (left by a crash or a full disk, or written by hand): delete it "
+            "and start again to have a new one made (browsers then get new anonymous ids)"
+        )
+    return secret
 
 
 class BrowserIds:

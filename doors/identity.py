@@ -47,10 +47,16 @@ def token_owner(token: str | None) -> str:
 def load_key_file(path: Path) -> dict[str, str]:
     """sha256(key) -> owner for a `--api-keys` file: `key` or `name:key` lines (# comments)."""
     keys = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
+        if line.count(":") > 1:
+            # `a:b:key` could be the name `a` or `a:b`: refused, not guessed
+            raise InvalidRequest(
+                f"{path} line {number}: a key name and a key cannot contain ':' (a line is "
+                "`name:key` or a bare key): change that line, then start again"
+            )
         name, sep, key = line.rpartition(":")
         key = key.strip()
         if len(key) < 16:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 
@@ -20,48 +20,72 @@ KEY_CHARS = 200  # a key is at most this long: a megabyte of user name is not ke
 
 
 class Window:
-    """How many events each key had in the last `window_s` seconds; thread-safe."""
+    """How many events each key had in the last `window_s` seconds; thread-safe. At most
+    `max_keys` keys are kept, in least-recently-used order: when a new key comes and the map
+    is full, the least recently used one is forgotten even if it has recent events (memory
+    stays bounded whatever a flood of names or addresses does; the per-address window still
+    rations how fast one address can push others out)."""
 
-    def __init__(self, limit: int, window_s: float = 60.0, max_keys: int = 100_000) -> None:
-        self.limit, self.window_s, self.max_keys = limit, window_s, max_keys
-        self._events: dict[str, deque[float]] = {}
+    def __init__(
+        self,
+        limit: int,
+        window_s: float = 60.0,
+        max_keys: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert limit >= 1 and max_keys >= 1
+        self.limit, self.window_s, self.max_keys, self.clock = limit, window_s, max_keys, clock
+        # never an empty deque: a key with no event left is removed at once
+        self._events: OrderedDict[str, deque[float]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _recent(self, key: str, now: float) -> deque[float]:
-        events = self._events.get(key[:KEY_CHARS])
-        if events is None:
-            if len(self._events) >= self.max_keys:  # forget keys with nothing recent
-                for k in [k for k, q in self._events.items() if q[-1] <= now - self.window_s]:
-                    del self._events[k]
-            events = self._events[key[:KEY_CHARS]] = deque()
-        while events and events[0] <= now - self.window_s:
-            events.popleft()
-        return events
+    def _forget_before_adding(self, now: float) -> None:
+        """Room for one more key: drop keys with nothing recent from the least recently used
+        end, then, if still full, the least recently used keys themselves."""
+        while self._events:
+            oldest = next(iter(self._events.values()))
+            if len(self._events) < self.max_keys and oldest and oldest[-1] > now - self.window_s:
+                return
+            self._events.popitem(last=False)
 
     def take(self, key: str) -> bool:
         """Count one event for `key` if it is under the limit; False (nothing counted) if not."""
+        key = key[:KEY_CHARS]
         with self._lock:
-            events = self._recent(key, time.monotonic())
-            if len(events) >= self.limit:
-                return False
-            events.append(time.monotonic())
+            now = self.clock()
+            events = self._events.get(key)
+            if events is not None:
+                self._events.move_to_end(key)
+                while events and events[0] <= now - self.window_s:
+                    events.popleft()
+                if len(events) >= self.limit:
+                    return False
+                events.append(now)
+                return True
+            self._forget_before_adding(now)
+            self._events[key] = deque([now])
             return True
 
     def give_back(self, key: str) -> None:
         """Uncount the latest event of `key` (a sign-in that succeeded)."""
+        key = key[:KEY_CHARS]
         with self._lock:
-            events = self._events.get(key[:KEY_CHARS])
-            if events:
+            events = self._events.get(key)
+            if events is not None:
                 events.pop()
+                if not events:
+                    del self._events[key]
 
 
 class LoginThrottle:
     """Failed sign-ins per user name and per client address. An attempt counts as failed
     from the moment it starts (so parallel guesses count) and is forgiven if it succeeds."""
 
-    def __init__(self, per_name: int, per_address: int, window_s: float = 60.0) -> None:
-        self.by_name = Window(per_name, window_s)
-        self.by_address = Window(per_address, window_s)
+    def __init__(
+        self, per_name: int, per_address: int, window_s: float = 60.0, max_keys: int = 100_000
+    ) -> None:
+        self.by_name = Window(per_name, window_s, max_keys)
+        self.by_address = Window(per_address, window_s, max_keys)
         self.hashes_run = 0  # password checks actually run (tests assert on it)
         self.refused = 0
 

@@ -113,13 +113,14 @@ class UsersFile:
 def users_checker(users: UsersFile | Path) -> Callable[[str, str], bool]:
     """A Gradio `auth` function over the users file."""
     users = users if isinstance(users, UsersFile) else UsersFile(users)
+    # an unknown name is checked against this, made once: the same one PBKDF2 run a known
+    # name costs, so the time of a refusal does not tell which names exist
+    unknown = hash_password(secrets.token_hex(16))
 
     def check(username: str, password: str) -> bool:
         user = users.get(username)
-        if user is None:
-            verify_password(password, hash_password("x"))  # same time for unknown names
-            return False
-        return verify_password(password, user.hash)
+        ok = verify_password(password, user.hash if user is not None else unknown)
+        return ok and user is not None
 
     return check
 
@@ -165,6 +166,10 @@ def keys_main(argv: list[str]) -> None:
     revoke = sub.add_parser("revoke", help="revoke the key KEY_ID")
     revoke.add_argument("key_id")
     args = ap.parse_args(argv)
+    if args.cmd == "create" and (":" in args.user or not args.user.strip()):
+        # owners are `user:NAME`, and no user name holds a ':' (add_user): such a key could
+        # never sign anyone in
+        sys.exit(f"no key made: {args.user!r} cannot be a user name (empty, or with a ':')")
     with Store(args.data_dir / "crowdchat.db") as store:
         keys = ApiKeys(store)
         if args.cmd == "create":
