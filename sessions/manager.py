@@ -3,6 +3,7 @@ pool, and owner checks on every call. Uses the engine's public API only."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import secrets
@@ -273,7 +274,9 @@ class SessionManager(BranchTurns):
                 shareable_prefix=self.prompts.shareable(prompt),
             ),
             queue_position=self.engine.queue_position,
-            on_end=functools.partial(self._end_turn, ticket=ticket),
+            on_end=functools.partial(
+                self._end_turn, ticket=ticket, restore=restore, before=session["state"]
+            ),
             on_accept=on_accept,
         )
         turn.reply_parent = reply_parent
@@ -283,17 +286,30 @@ class SessionManager(BranchTurns):
     def _end_one_off(self, reply: OneOffReply, ticket: Ticket) -> None:
         self.admission.end(ticket, cost(reply.handle))
 
-    def _end_turn(self, turn: ChatTurn, ticket: Ticket) -> None:
+    def _end_turn(
+        self, turn: ChatTurn, ticket: Ticket, restore: Callable[[], str], before: str
+    ) -> None:
         """Commit the reply (also a partial or failed one) and the session's new state, then
         free the session for its next turn. A turn the engine never took leaves the
-        conversation as it was. The owner's reservation is settled to what the turn cost the
-        server: the prompt tokens it computed (a dropped history's recompute too) and the
-        reply; what it did not generate comes back."""
+        conversation as it was, and its state where the turn's restore left the KV (`before`,
+        the state it had, when the backend keeps KV itself). The owner's reservation is settled
+        to what the turn cost the server: the prompt tokens it computed (a dropped history's
+        recompute too) and the reply; what it did not generate comes back."""
         sid = turn.session_id
         self.admission.end(ticket, cost(turn.handle))
         try:
             if not turn.accepted:
-                self.store.update_session(sid, state=SessionState.RESIDENT, last_active=time.time())
+                # a cold restore left no KV, a disk one left it resident: the admin page,
+                # prefetch and the next reservation read which (an abandoned turn's may still run)
+                with contextlib.suppress(Exception):  # its error already failed the turn
+                    restore()
+                self.residency.record_where(
+                    sid,
+                    lambda state: self.store.update_session(
+                        sid, state=state, last_active=time.time()
+                    ),
+                    before,
+                )
                 return
             generated = turn.num_generated_tokens
             update = {

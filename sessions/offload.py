@@ -11,8 +11,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from engine import Backend, KVExport, KVFileDamaged
+from sessions.disk_budget import DiskBudget
 from sessions.persist_retry import PersistRetry, PersistStatus, RetryPolicy
 from sessions.snapshots import SnapshotFiles, token_hash
+from sessions.state import SessionState
 from sessions.store import Store
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ class KVOffloader:
         self.pin = engine.device_type == "cuda"
         self.host_budget = host_budget_bytes if self.pin else 0
         self.disk_budget = disk_budget_bytes
-        self.on_state = on_state  # (session id, new state): the manager records it
+        self.on_state = on_state  # (session id, new state), under its gate: the manager records it
         # (session id, token ids) -> the prefix-cache namespace and shareable prefix its KV
         # is loaded under (the manager sets it; by default nothing of it is shared)
         self.cache_key: Callable[[str, list[int]], tuple[str | None, int]] = lambda s, i: (None, 0)
@@ -61,6 +63,7 @@ class KVOffloader:
         # a write in flight, then deletes what it wrote); striped: the table never grows.
         # Never taken on the engine thread: a holder may be waiting for that thread.
         self._gates = [threading.Lock() for _ in range(RESTORE_STRIPES)]
+        self.disk = DiskBudget(disk_budget_bytes, files, store, self._gate, self._where, on_state)
         self._deleted: OrderedDict[str, None] = OrderedDict()  # guarded by `lock`
         self.last_error: str | None = None
         self.restores = {"host": 0, "disk": 0}
@@ -93,7 +96,7 @@ class KVOffloader:
             if kv is None or not self._write(sid, kv):
                 return False
             self.engine.drop_kv(sid)
-        self.on_state(sid, "persisted")
+            self.on_state(sid, SessionState.PERSISTED)
         return True
 
     def evict(self, short: int, protected: str | None, busy: Callable[[str], bool]) -> None:
@@ -165,6 +168,11 @@ class KVOffloader:
         return "disk"
 
     # -- bookkeeping --------------------------------------------------------------------
+    def record_where(self, sid: str, record: Callable[[str], None]) -> None:
+        """`record(state)` of the session's KV under its gate; a pool eviction records after."""
+        with self._gate(sid):
+            record(self._where(sid))
+
     def host_bytes(self) -> int:
         with self.lock:
             return sum(kv_bytes(kv) for kv in self.host.values())
@@ -232,7 +240,7 @@ class KVOffloader:
         for sid, kv in pending:
             with self._gate(sid):
                 ok = self._write(sid, kv)
-            self.on_state(sid, "persisted" if ok else "cold")
+                self.on_state(sid, SessionState.PERSISTED if ok else SessionState.COLD)
 
     def _supervise_writer(self) -> None:
         """Restart the writer loop whenever it crashes: if it stayed dead, evicted KV would
@@ -251,7 +259,9 @@ class KVOffloader:
         """Keep host copies within the host budget (0 on CPU): oldest go to disk first."""
         self._drain_host()  # after a restart: what the crashed pass left behind
         while (sid := self._jobs.get()) is not None:
-            self.on_state(sid, "persisted")
+            with self._gate(sid):  # a turn or prefetch may have restored it meanwhile
+                if self._where(sid) == SessionState.PERSISTED:
+                    self.on_state(sid, SessionState.PERSISTED)
             self._drain_host()
 
     def _drain_host(self) -> None:
@@ -267,8 +277,8 @@ class KVOffloader:
                 with self.lock:
                     if mine and self.host.get(victim) is kv:
                         del self.host[victim]
-            if mine and not ok:
-                self.on_state(victim, "cold")  # its KV is gone; the next turn recomputes
+                if mine and not ok:
+                    self.on_state(victim, SessionState.COLD)  # gone; the next turn recomputes
         self._crashes_in_a_row = 0
 
     def _gate(self, sid: str) -> threading.Lock:
@@ -280,6 +290,14 @@ class KVOffloader:
             if sid in self._deleted:
                 return True
         return self.store.get_session(sid) is None
+
+    def _where(self, sid: str) -> str:
+        """'resident', 'persisted' (host RAM or a snapshot) or 'cold'; the caller holds the gate."""
+        if sid in self.engine.resident_kv():
+            return SessionState.RESIDENT
+        with self.lock:
+            held = sid in self.host
+        return SessionState.PERSISTED if held or self.store.get_snapshot(sid) else SessionState.COLD
 
     def _write(self, sid: str, kv: KVExport) -> bool:
         """Make `kv` the session's snapshot (the caller holds the session's gate)."""
@@ -306,7 +324,7 @@ class KVOffloader:
             self.drop_snapshot(sid)
             return False
         try:  # the file is durable either way; a failed cleanup must not undo that
-            kept = self._enforce_disk_budget(keep=sid)
+            kept = self.disk.enforce(keep=sid, size=size)
         except Exception:  # noqa: BLE001 - retried after the next write
             log.exception("enforcing the snapshot disk budget failed")
             kept = True
@@ -320,22 +338,4 @@ class KVOffloader:
             return False
         self.persists += 1
         self.retry.forget(sid)
-        return True
-
-    def _enforce_disk_budget(self, keep: str) -> bool:
-        """Delete the oldest snapshots until the budget holds; False if `keep`'s own
-        snapshot had to go too (it alone is over budget)."""
-        total = self.files.total_bytes()
-        for row in self.store.snapshots():  # oldest first
-            if total <= self.disk_budget:
-                return True
-            if row["session_id"] == keep:
-                continue
-            total -= row["bytes"]
-            self.drop_snapshot(row["session_id"])
-            self.on_state(row["session_id"], "cold")
-            log.info("disk budget: deleted the snapshot of session %s", row["session_id"])
-        if total > self.disk_budget:  # this one alone is over budget
-            self.drop_snapshot(keep)
-            return False
         return True

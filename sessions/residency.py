@@ -3,6 +3,7 @@ prefetch when a user opens a conversation, and the admin's persist / drop."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -95,6 +96,14 @@ class Residency:
             self.offload.discard(sid)
             self.set_state(sid, SessionState.COLD)
 
+    def record_where(self, sid: str, record: Callable[[str], None], fallback: str) -> None:
+        """`record(state)` of the session's KV (`fallback` when the backend keeps KV itself),
+        with no persist, restore or snapshot write of it in between: what it records is true."""
+        if self.engine.keeps_kv:
+            self.offload.record_where(sid, record)
+        else:
+            record(fallback)
+
     def set_state(self, sid: str, state: str) -> None:
         """Record where the session's KV went (ignored while a turn runs or once deleted)."""
         if self.is_busy(sid) or self.store.get_session(sid) is None:
@@ -116,8 +125,10 @@ class Residency:
 
     def _prefetch(self, sid: str) -> None:
         try:
-            if self.offload.restore(sid) in ("host", "disk"):
-                self.set_state(sid, SessionState.RESIDENT)
+            self.offload.restore(sid)  # also 'cold': a damaged snapshot is dropped, not persisted
+            # recorded under the session's gate: an eviction or persist right after the restore
+            # records its own state after this one, never before
+            self.offload.record_where(sid, functools.partial(self.set_state, sid))
         except Exception:  # noqa: BLE001 - a failed prefetch only costs the turn a restore
             log.exception("prefetch of session %s failed", sid)
 

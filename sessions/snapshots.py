@@ -10,6 +10,7 @@ import os
 import re
 import struct
 import tempfile
+import threading
 from pathlib import Path
 from typing import BinaryIO
 
@@ -59,7 +60,7 @@ def _fsync_dir(directory: Path) -> None:
 class SnapshotFiles:
     """The directory of KV snapshot files. `budget_bytes` (None: unlimited) is enforced by the
     caller against `total_bytes()`. Reads never raise for a bad file: they log and return None;
-    an unexpected error (not a bad file) is raised.
+    an unexpected error (not a bad file) is raised. Thread-safe.
     """
 
     def __init__(self, directory: Path, budget_bytes: int | None = None) -> None:
@@ -69,6 +70,15 @@ class SnapshotFiles:
         self.budget_bytes = budget_bytes
         self.directory.mkdir(parents=True, exist_ok=True)
         self.sweep_temp()
+        # Each file's size, listed once here, then counted as files are written and deleted:
+        # the budget is checked after every write, and a directory walk there grew with the
+        # number of snapshots. The lock orders a file's replacement or removal with its count,
+        # so the total stays exact under concurrent writers.
+        self._lock = threading.Lock()
+        self._sizes = {
+            p.name[: -len(SUFFIX)]: p.stat().st_size for p in self.directory.glob("*" + SUFFIX)
+        }
+        self._total = sum(self._sizes.values())
 
     def path(self, session_id: str) -> Path:
         """Where session `session_id`'s snapshot lives."""
@@ -102,7 +112,9 @@ class SnapshotFiles:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, final)
+            with self._lock:
+                os.replace(tmp, final)
+                self._count(session_id, len(data))
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
@@ -167,10 +179,13 @@ class SnapshotFiles:
 
     def delete(self, session_id: str) -> bool:
         """Remove the session's snapshot file; returns whether there was one."""
-        try:
-            self.path(session_id).unlink()
-        except FileNotFoundError:
-            return False
+        path = self.path(session_id)
+        with self._lock:
+            self._count(session_id, 0)
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                return False
         return True
 
     def session_ids(self) -> list[str]:
@@ -182,14 +197,16 @@ class SnapshotFiles:
         )
 
     def total_bytes(self) -> int:
-        """Bytes held by snapshot files in the directory."""
-        total = 0
-        for p in self.directory.glob("*" + SUFFIX):
-            try:
-                total += p.stat().st_size
-            except FileNotFoundError:  # deleted since the listing
-                pass
-        return total
+        """Bytes held by snapshot files in the directory: those found at start-up, then those
+        written and deleted here (no directory listing)."""
+        with self._lock:
+            return self._total
+
+    def _count(self, session_id: str, size: int) -> None:
+        """The session's file now holds `size` bytes (0: it is gone); the caller holds `_lock`."""
+        self._total += size - self._sizes.pop(session_id, 0)
+        if size:
+            self._sizes[session_id] = size
 
     def sweep_temp(self) -> int:
         """Remove temporary files a crash left behind; returns how many."""
