@@ -8,11 +8,10 @@ import functools
 import time
 
 from engine import InvalidRequest, SamplingParams
-from sessions.admission import prompt_to_compute
 from sessions.branches import siblings
-from sessions.prompt import clean_text, conversation
+from sessions.prompt import clean_text, conversation, user_says
 from sessions.state import SessionState
-from sessions.turn import ChatTurn
+from sessions.turn import ChatTurn, TurnPlan
 
 
 class BranchTurns:
@@ -22,27 +21,19 @@ class BranchTurns:
         """Answer the last message of the active path again. The new reply becomes a sibling
         branch of the old one, which stays (`switch_branch` shows it again)."""
         self.get_session(owner, sid)
-        params = self.admission.clamp(params)
-        with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
-            restore = self._begin_restore(sid, session)
-            history = self.store.messages(sid)
+
+        def plan(session: dict, history: list[dict]) -> TurnPlan:
             if history and history[-1]["role"] == "assistant":
                 history.pop()
             if not history or history[-1]["role"] != "user":
                 raise InvalidRequest("there is no message to answer again")
-            convo = conversation(session, history, self.default_system)
-            prompt = self.prompts.encode_fitting(convo, params)
-            self.admission.reserve(ticket, prompt_to_compute(session, prompt), params)
-            return self._start(
-                sid,
-                prompt,
-                params,
-                session,
-                ticket,
-                restore=restore,
+            return TurnPlan(
+                conversation(session, history, self.default_system),
                 on_accept=self._mark_active,
                 reply_parent=history[-1]["id"],
             )
+
+        return self._turn(owner, sid, params, plan)
 
     def edit(
         self, owner: str, sid: str, message_id: int, text: str, params: SamplingParams
@@ -52,25 +43,21 @@ class BranchTurns:
         written once the engine accepted the new request."""
         self.get_session(owner, sid)
         text = clean_text(text, self.config.max_message_chars)
-        params = self.admission.clamp(params)
-        with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
-            restore = self._begin_restore(sid, session)
-            history = self.store.messages(sid)
+
+        def plan(session: dict, history: list[dict]) -> TurnPlan:
             at = next((i for i, m in enumerate(history) if m["id"] == message_id), None)
             if at is None or history[at]["role"] != "user":
                 raise InvalidRequest(
                     "only your own messages in the conversation shown can be edited"
                 )
-            convo = [
-                *conversation(session, history[:at], self.default_system),
-                {"role": "user", "content": text},
-            ]
-            prompt = self.prompts.encode_fitting(convo, params)
-            self.admission.reserve(ticket, prompt_to_compute(session, prompt), params)
-            accept = functools.partial(self._add_edit, parent=history[at]["parent_id"], text=text)
-            return self._start(
-                sid, prompt, params, session, ticket, restore=restore, on_accept=accept
+            return TurnPlan(
+                [*conversation(session, history[:at], self.default_system), user_says(text)],
+                on_accept=functools.partial(
+                    self._add_edit, parent=history[at]["parent_id"], text=text
+                ),
             )
+
+        return self._turn(owner, sid, params, plan)
 
     def edit_last(self, owner: str, sid: str, text: str, params: SamplingParams) -> ChatTurn:
         """`edit` the last user message of the active path."""

@@ -22,14 +22,22 @@ from sessions.admission import Admission, Ticket, cost, prompt_to_compute
 from sessions.branch_turns import BranchTurns
 from sessions.config import SessionConfig
 from sessions.errors import SessionBusy, SessionNotFound
-from sessions.prompt import Message, PromptEncoder, clean_messages, clean_text, conversation
+from sessions.prompt import (
+    Message,
+    PromptEncoder,
+    clean_messages,
+    clean_system_prompt,
+    clean_text,
+    conversation,
+    user_says,
+)
 from sessions.reply import OneOffReply, Reply
 from sessions.residency import Residency
 from sessions.shared_prompts import SharedPrompts
 from sessions.snapshots import SnapshotFiles, check_session_id
 from sessions.state import SessionState
 from sessions.store import Store
-from sessions.turn import ChatTurn
+from sessions.turn import ChatTurn, TurnPlan
 
 log = logging.getLogger(__name__)
 TITLE_CHARS = 60
@@ -71,11 +79,7 @@ class SessionManager(BranchTurns):
         while everyone together does: the writes queue on the one SQLite writer). The system
         prompt is kept without surrounding whitespace, as shared prompts are, so one pasted
         with a trailing newline still matches its shared twin."""
-        system_prompt = (
-            clean_text(system_prompt, self.config.max_message_chars).strip()
-            if system_prompt.strip()
-            else ""
-        )
+        system_prompt = clean_system_prompt(system_prompt, self.config.max_message_chars)
         with self.admission.caps.creating(owner, self.store.count_sessions):
             return self.store.create_session(
                 secrets.token_hex(16), owner, title[:200], system_prompt
@@ -108,11 +112,7 @@ class SessionManager(BranchTurns):
         """Change the session's system prompt (the page sends it with every message, so an
         unchanged one costs no write)."""
         session = self.get_session(owner, sid)
-        text = (
-            clean_text(system_prompt, self.config.max_message_chars).strip()
-            if system_prompt.strip()
-            else ""
-        )
+        text = clean_system_prompt(system_prompt, self.config.max_message_chars)
         if text != session["system_prompt"]:
             self.store.update_session(sid, system_prompt=text)
 
@@ -150,24 +150,20 @@ class SessionManager(BranchTurns):
         streams) and start the reply."""
         self.get_session(owner, sid)
         text = clean_text(text, self.config.max_message_chars)
-        params = self.admission.clamp(params)
-        with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
-            restore = self._begin_restore(sid, session)
-            history = self.store.messages(sid)
-            convo = [
-                *conversation(session, history, self.default_system),
-                {"role": "user", "content": text},
-            ]
-            prompt = self.prompts.encode_fitting(convo, params)
-            self.admission.reserve(ticket, prompt_to_compute(session, prompt), params)
+
+        def plan(session: dict, history: list[dict]) -> TurnPlan:
             update = {"state": SessionState.ACTIVE, "last_active": time.time()}
             if not session["title"]:
                 update["title"] = " ".join(text.split())[:TITLE_CHARS]
             parent = history[-1]["id"] if history else None
-            mid = self.store.add_message(sid, "user", text, parent_id=parent, session_fields=update)
-            return self._start(
-                sid, prompt, params, session, ticket, restore=restore, reply_parent=mid
+            return TurnPlan(
+                [*conversation(session, history, self.default_system), user_says(text)],
+                commit=lambda: self.store.add_message(
+                    sid, "user", text, parent_id=parent, session_fields=update
+                ),
             )
+
+        return self._turn(owner, sid, params, plan)
 
     def prefetch(self, owner: str, sid: str) -> None:
         """The user opened this conversation: bring its KV back while they type."""
@@ -246,6 +242,34 @@ class SessionManager(BranchTurns):
     def _begin_restore(self, sid: str, session: dict) -> Callable[[], str]:
         """Start bringing a claimed session's KV back for its turn; the turn waits for it."""
         return self.residency.begin_restore(sid, had_kv=session["token_count"] > 0)
+
+    def _turn(
+        self,
+        owner: str,
+        sid: str,
+        params: SamplingParams,
+        plan: Callable[[dict, list[dict]], TurnPlan],
+    ) -> ChatTurn:
+        """The one setup of every turn (chat, regenerate, edit): claim the session, hold a turn
+        slot, start its KV restore, plan the turn from the session and its history as they
+        are now, encode, reserve its tokens, write what it commits up front, start it."""
+        params = self.admission.clamp(params)
+        with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
+            restore = self._begin_restore(sid, session)
+            turn = plan(session, self.store.messages(sid))
+            prompt = self.prompts.encode_fitting(turn.convo, params)
+            self.admission.reserve(ticket, prompt_to_compute(session, prompt), params)
+            reply_parent = turn.commit() if turn.commit else turn.reply_parent
+            return self._start(
+                sid,
+                prompt,
+                params,
+                session,
+                ticket,
+                restore=restore,
+                on_accept=turn.on_accept,
+                reply_parent=reply_parent,
+            )
 
     def _start(
         self,

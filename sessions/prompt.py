@@ -38,6 +38,12 @@ def clean_text(text: object, limit: int) -> str:
     return text
 
 
+def clean_system_prompt(text: str, limit: int) -> str:
+    """A system prompt as kept: safe text without surrounding whitespace (as shared prompts
+    are, so one pasted with a trailing newline still matches its shared twin), "" for none."""
+    return clean_text(text, limit).strip() if text.strip() else ""
+
+
 def clean_messages(messages: list[Message], limit: int) -> list[Message]:
     """A whole conversation sent at once (the API's one-off requests), checked like chat
     messages: the last must say something, none may be over the length limit."""
@@ -47,6 +53,11 @@ def clean_messages(messages: list[Message], limit: int) -> list[Message]:
         if m["content"].strip() or last:
             out.append({"role": m["role"], "content": clean_text(m["content"], limit)})
     return out
+
+
+def user_says(text: str) -> Message:
+    """The user's new message, last in a turn's conversation."""
+    return {"role": "user", "content": text}
 
 
 def conversation(session: dict, history: list[dict], default_system: str = "") -> list[Message]:

@@ -13,8 +13,8 @@ from sqlite_utils.db import NotFoundError
 from sessions.branches import END, active_path
 from sessions.migrations import migrate
 from sessions.sqlite_worker import SQLiteWorker
+from sessions.state import SessionState
 
-STATES = ("active", "resident", "persisted", "cold")
 SESSION_FIELDS = frozenset(
     {"owner", "title", "last_active", "state", "token_count", "fingerprint", "system_prompt"}
 )
@@ -42,7 +42,7 @@ def _tree(db: Database, session_id: str) -> list[dict]:
 def _session_fields(fields: dict[str, Any]) -> dict[str, Any]:
     """Checked session columns, with a fingerprint dict encoded as JSON."""
     assert fields.keys() <= SESSION_FIELDS, f"unknown session fields {fields.keys()}"
-    assert fields.get("state", "active") in STATES, f"bad state {fields['state']!r}"
+    assert fields.get("state", "active") in set(SessionState), f"bad state {fields['state']!r}"
     if isinstance(fields.get("fingerprint"), dict):
         fields = {**fields, "fingerprint": _dumps(fields["fingerprint"])}
     return fields

@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from engine import CrowdchatError, RequestHandle, SamplingParams
+from sessions.prompt import Message
 from sessions.reply import stream
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class TurnPlan:
+    """What a chat, regenerate or edit makes of the session and its history (as they are once
+    claimed): the conversation to answer; what the turn writes before it starts (`commit`,
+    returning the message the reply follows) or else the message the reply follows
+    (`reply_parent`); and what it writes once the engine took it (`on_accept`)."""
+
+    convo: list[Message]
+    commit: Callable[[], int] | None = None
+    reply_parent: int | None = None
+    on_accept: Callable[[ChatTurn], None] | None = None
 
 
 class ChatTurn:

@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.loader import LoadedModel
 from sessions import migrations as migrations_module
 from sessions.migrations import MIGRATIONS
-from sessions.store import STATES, Store
+from sessions.state import SessionState
+from sessions.store import Store
 from tests.web import running_server
 
 FP = {"model_id": "m"}
@@ -45,14 +46,16 @@ def test_counters_equal_a_full_scan_after_every_kind_of_write(tmp_path: Path) ->
                 ids.append(f"s{step:04d}")
                 store.create_session(ids[-1], rng.choice("abc"), "", "")
             elif op < 0.5:
-                fields = {"state": rng.choice(STATES)}
+                fields = {"state": rng.choice(list(SessionState))}
                 if rng.random() < 0.5:
                     fields["token_count"] = step  # a write that keeps the state
                     fields.pop("state")
                 store.update_session(rng.choice(ids), **fields)
             elif op < 0.6:
                 sid = rng.choice(ids)
-                store.add_message(sid, "user", "hi", session_fields={"state": rng.choice(STATES)})
+                store.add_message(
+                    sid, "user", "hi", session_fields={"state": rng.choice(list(SessionState))}
+                )
             elif op < 0.75:  # a new snapshot, or a replaced one of another size
                 store.put_snapshot(rng.choice(ids), "p", rng.randint(1, 10**6), 1, "h", FP)
             elif op < 0.85:
