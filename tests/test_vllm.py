@@ -233,6 +233,44 @@ def test_closing_the_stream_aborts_the_upstream_request(crowdchat, replicas):
     assert [role for role, _ in stored(db, headers["X-Session-Id"])] == ["user", "assistant"]
 
 
+def prefix_hits(replica: Launched) -> float:
+    """Prompt tokens the replica's prefix cache served, from its own /metrics."""
+    text = httpx.get(replica.base + "/metrics", timeout=10).text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits")
+    )
+
+
+def test_one_users_cached_prompt_is_no_prefix_cache_hit_for_another(crowdchat, replicas):
+    """crowdchat salts vLLM's prefix cache per user (`cache_salt`): the same user's repeated
+    prompt hits it, another user's identical prompt on the same replica does not (its time to
+    first token would tell them what the first one sent)."""
+    base, _db = crowdchat
+    # some 400 tokens (a few of vLLM's blocks), never sent before
+    words = f"Note {time.time_ns()}: " + " ".join(f"item{i}" for i in range(150))
+
+    def one_off(key: str) -> tuple[int, float]:
+        """(the replica that served it, the prefix-cache hits it added there)"""
+        before, hits = served(replicas), [prefix_hits(r) for r in replicas]
+        r = turn(base, {"Authorization": f"Bearer {key}"}, words, max_tokens=2)
+        assert r.status_code == 200, r.text
+        at = which(before, served(replicas))
+        return at, prefix_hits(replicas[at]) - hits[at]
+
+    home, _ = one_off("salt-alice")
+    again, hit = one_off("salt-alice")
+    assert again == home and hit > 0  # the control: the cache works for her
+    for n in range(8):  # another user whose requests the same replica serves
+        at, hit = one_off(f"salt-bob-{n}")
+        if at == home:
+            assert hit == 0
+            return
+    pytest.fail("no other user was routed to the first one's replica")
+
+
 def test_a_request_over_the_context_gets_a_clear_error_from_crowdchat_or_vllm(crowdchat, replicas):
     base, _ = crowdchat
     long = " ".join(["word"] * (CONTEXT + 200))
