@@ -41,7 +41,23 @@ class TokenRateLimiter:
         self._used: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
         self._reserved: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
+        self._swept = time.monotonic()
         self.refused = 0
+
+    def __len__(self) -> int:
+        """Owners with tokens in the window or reserved (what the limiter keeps in memory)."""
+        with self._lock:
+            return len(self._used.keys() | self._reserved.keys())
+
+    def _sweep(self, now: float) -> None:
+        """Forget every owner whose window is empty (lock held), at most once a window: an
+        owner who never comes back (a new identity per request) would otherwise be kept
+        forever."""
+        if now - self._swept < WINDOW_S:
+            return
+        self._swept = now
+        for owner in [o for o, w in self._used.items() if w[-1][0] <= now - WINDOW_S]:
+            del self._used[owner]
 
     def _window(self, owner: str, now: float) -> int:
         """Tokens charged in the last minute (lock held)."""
@@ -94,7 +110,9 @@ class TokenRateLimiter:
             else:
                 del self._reserved[reservation.owner]
             if self.limit and cost > 0:
-                self._used[reservation.owner].append((time.monotonic(), int(cost)))
+                now = time.monotonic()
+                self._sweep(now)
+                self._used[reservation.owner].append((now, int(cost)))
 
     def _refusal(self, owner: str, used: int, held: int, tokens: int, now: float) -> str:
         window = self._used.get(owner)

@@ -179,3 +179,25 @@ def test_a_one_off_reply_reserves_its_prompt_and_budget_and_settles_to_its_cost(
         assert sm.admission.caps.in_flight("api:other") == (0, 0)
     finally:
         close_sessions(engine, sm)
+
+
+def test_owners_who_never_come_back_are_forgotten_once_their_window_passed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new identity per request (random bearer strings) kept a window per owner forever."""
+    clock = [1000.0]
+    monkeypatch.setattr("sessions.limits.time.monotonic", lambda: clock[0])
+    lim = TokenRateLimiter(100)
+    for i in range(5000):
+        lim.settle(lim.reserve(f"drive-by-{i}", 10), 10)
+        clock[0] += 0.001
+    assert len(lim) == 5000  # all within the minute: each still counts
+    clock[0] += 61
+    lim.settle(lim.reserve("regular", 10), 10)
+    assert len(lim) == 1 and lim.used("regular") == 10
+    held = lim.reserve("holder", 10)  # one with a reply in flight stays while it runs
+    clock[0] += 61
+    lim.settle(lim.reserve("regular", 10), 10)
+    assert len(lim) == 2
+    lim.settle(held, 0)
+    assert len(lim) == 1
