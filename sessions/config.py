@@ -31,8 +31,13 @@ class SessionConfig(Settings):
         20_000, "per-user budget of new prompt + generated tokens (0: off)"
     )
     max_turns_per_user: int = setting(4, "conversations answering at once per user (0: no cap)")
+    # beyond the batch they wait in the engine's queue, which fair share orders across users,
+    # so one identity's many requests (an app serving its own users) wait behind others' few
+    # instead of being refused (as llama-server and vLLM queue them); half the default queue
     max_requests_per_user: int = setting(
-        8, "requests queued or answering per user: turns and one-off completions (0: no cap)"
+        128,
+        "requests queued or answering per user, turns and one-off completions; beyond: HTTP 429"
+        " with Retry-After (0: no cap)",
     )
     max_sessions_per_user: int = setting(200, "conversations kept per user (0: no cap)")
     max_pending_creates: int = setting(

@@ -213,3 +213,26 @@ def test_a_conversation_past_the_context_stops_being_tokenized_there(
         )
     assert calls[0] == 0  # refused on its length alone
     assert chat(url, "brief").status_code == 200
+
+
+def test_one_program_sending_32_requests_at_once_gets_all_32_answered(
+    nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An app backend serving its own users through one identity, as peers serve it: the
+    requests wait in the engine's queue (fair share orders everyone's), where the default cap
+    refused 24 of 32 with 429 at once."""
+    with running_server(nf4_model, tmp_path_factory.mktemp("one-program")) as (url, _, _sm):
+        body = {"messages": HI, "max_tokens": 3, "stream": True}
+        codes: list[int] = []
+
+        def one() -> None:
+            with httpx.Client(timeout=600) as http:
+                r = http.post(f"{url}/v1/chat/completions", json=body, headers=key("backend"))
+                codes.append(r.status_code)
+
+        threads = [threading.Thread(target=one) for _ in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert codes == [200] * 32
