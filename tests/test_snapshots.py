@@ -183,3 +183,17 @@ def test_session_ids_lists_snapshot_files_only(files: SnapshotFiles) -> None:
     (files.directory / "c.abc.tmp").write_bytes(b"half")
     (files.directory / "not an id.safetensors").write_bytes(b"x")
     assert files.session_ids() == ["a", "b"]
+
+
+def test_a_snapshot_of_no_tokens_is_none(
+    files: SnapshotFiles, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The snapshot fuzzer's find: a file of 0 tokens, its token hash and CRC-32 true to the
+    empty bytes, passed every check, then torch.frombuffer raised a ValueError on the empty K
+    (`read` and `kv_file` return None for any bad file, never raise)."""
+    k, v = kv(torch.bfloat16, tokens=0)
+    files.write("s1", [], k, v, FP)
+    with caplog.at_level(logging.WARNING):
+        assert files.kv_file("s1", FP, token_hash([])) is None
+        assert files.read("s1", FP, None) is None
+    assert "holds no tokens" in caplog.text

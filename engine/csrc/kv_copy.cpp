@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <caffe2/serialize/crc_alt.h>  // PyTorch's own CRC-32 (zlib's polynomial), header only
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <torch/library.h>
 #include <unistd.h>
 
@@ -41,6 +42,14 @@ int64_t check(const at::Tensor& pool, const at::Tensor& kv, const at::Tensor& sl
   check_slots(pool, slots, kv.size(1));
   return pool.element_size();
 }
+
+// a file descriptor closed however the function that opened it returns or throws
+struct File {
+  const int fd;
+  ~File() {
+    if (fd >= 0) ::close(fd);
+  }
+};
 
 }  // namespace
 
@@ -86,20 +95,33 @@ int64_t kv_read_file(const std::string& path, int64_t offset, at::Tensor pool,
   check_slots(pool, slots, tokens - skip);
   TORCH_CHECK(offset >= 0 && crc >= 0 && crc <= 0xffffffffLL, "bad offset or crc");
   const int64_t L = pool.size(0), H = pool.size(1), S = pool.size(2), D = pool.size(3);
-  const int64_t row = D * pool.element_size(), layer = tokens * H * row;
+  // The sizes are multiplied checked, and the file's size compared, before `buf` is sized:
+  // a `tokens` past any file's size overflowed `layer` (undefined behaviour; the wrapped size
+  // then had the copy read outside `buf`, ASan's heap-buffer-overflow, fuzz/) or allocated
+  // the buffer (std::bad_alloc, a leaked descriptor) before the file could say it was short.
+  int64_t row = 0, layer = 0, bytes = 0, end = 0;
+  TORCH_CHECK(!__builtin_mul_overflow(D, pool.element_size(), &row) &&
+                  !__builtin_mul_overflow(row, H, &layer) &&
+                  !__builtin_mul_overflow(layer, tokens, &layer) &&
+                  !__builtin_mul_overflow(layer, L, &bytes) &&
+                  !__builtin_add_overflow(offset, bytes, &end),
+              "tokens and offset past any file's size");
   const int64_t* sp = slots.data_ptr<int64_t>();
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const File file{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
   // the file's faults are ValueErrors in Python (a bad snapshot), the arguments' RuntimeErrors
-  TORCH_CHECK_VALUE(fd >= 0, "cannot open ", path, ": ", std::strerror(errno));
-  std::vector<char> buf(layer);
+  TORCH_CHECK_VALUE(file.fd >= 0, "cannot open ", path, ": ", std::strerror(errno));
+  struct stat st {};
+  TORCH_CHECK_VALUE(::fstat(file.fd, &st) == 0, path, ": ", std::strerror(errno));
+  TORCH_CHECK_VALUE(S_ISREG(st.st_mode), path, ": not a regular file");
+  TORCH_CHECK_VALUE(end <= st.st_size, path, ": shorter than its tensor");
+  std::vector<char> buf(L > 0 ? layer : 0);  // a pool of no layers reads nothing
   char* pp = static_cast<char*>(pool.data_ptr());
   auto c = static_cast<uint32_t>(crc);
   for (int64_t l = 0; l < L; ++l) {
     for (int64_t got = 0; got < layer;) {
-      const ssize_t n = ::pread(fd, buf.data() + got, layer - got, offset + l * layer + got);
+      const ssize_t n = ::pread(file.fd, buf.data() + got, layer - got, offset + l * layer + got);
       if (n <= 0 && !(n < 0 && errno == EINTR)) {
         const int err = n < 0 ? errno : 0;
-        ::close(fd);
         TORCH_CHECK_VALUE(false, path, ": ", err ? std::strerror(err) : "shorter than its tensor");
       }
       got += n > 0 ? n : 0;
@@ -110,7 +132,6 @@ int64_t kv_read_file(const std::string& path, int64_t offset, at::Tensor pool,
         std::memcpy(pp + ((l * H + h) * S + sp[t - skip]) * row, buf.data() + (t * H + h) * row,
                     row);
   }
-  ::close(fd);
   return c;
 }
 
