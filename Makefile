@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 CHROMIUM := /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: run test test-avx2 lint kernel bench peers vllm test-vllm fuzz clean
+.PHONY: run test test-avx2 test-sanitize lint kernel bench peers vllm test-vllm fuzz clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -70,12 +70,22 @@ vllm: $(STAMP)
 test-vllm: vllm $(CHROMIUM)
 	CROWDCHAT_TEST_VLLM=1 $(PY) -m pytest -q tests/test_vllm.py $(ARGS)
 
-# coverage-guided fuzzing (atheris) of what reads untrusted bytes, FUZZ_SECONDS each; the seeds
-# are fuzz/corpus/<target>, what a run finds goes to ~/.cache/crowdchat/fuzz/<target>
+# the kernels built with AddressSanitizer and UndefinedBehaviorSanitizer (engine/cpu_kernels.py);
+# their runtime first in the process, and libstdc++ with it, or ASan cannot intercept throws
+SANITIZE_ENV := CROWDCHAT_KERNEL_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 \
+	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)"
+test-sanitize: kernel
+	$(SANITIZE_ENV) $(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS)
+
+# coverage-guided fuzzing (atheris) of what reads untrusted bytes, FUZZ_SECONDS each, the C++
+# one on the sanitized build; the seeds are fuzz/corpus/<target>, what a run finds goes to
+# ~/.cache/crowdchat/fuzz/<target>
 FUZZ_SECONDS ?= 600
 fuzz: kernel
-	for t in browser_id chat_request snapshot_header kv_read_file; do \
+	for t in browser_id chat_request snapshot_header; do \
 		$(PY) fuzz/fuzz_$$t.py -max_total_time=$(FUZZ_SECONDS) || exit 1; done
+	$(SANITIZE_ENV) $(PY) fuzz/fuzz_kv_read_file.py -max_total_time=$(FUZZ_SECONDS)
 
 clean:
 	rm -rf $(VENV) data .pytest_cache

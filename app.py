@@ -18,6 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from starlette.routing import Mount
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from api.metrics import build_metrics_router
 from api.openai_api import build_router
@@ -139,6 +140,8 @@ def build_app(
     if users is None and admin_password:  # the admin page's own sign-in
         _gradio_app(app, "/admin").tokens = SignIns(max_age)  # type: ignore[attr-defined]
     app.add_middleware(Doors, config=config, resolver=resolver, browser_ids=browser_ids)
+    if config.proxies():  # outside Doors: the client it sees is the forwarded one
+        app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=config.proxies())
     app.state.doors = SimpleNamespace(
         keys=keys,
         throttle=throttle,
@@ -193,7 +196,15 @@ def main(argv: list[str] | None = None) -> None:
             ),
             flush=True,
         )
-        uvicorn.run(app, host=app_config.host, port=app_config.port, log_level="warning")
+        # uvicorn's own proxy headers off: it would believe any X-Forwarded-For from 127.0.0.1
+        # (FORWARDED_ALLOW_IPS); --trusted-proxy says whom to believe (build_app)
+        uvicorn.run(
+            app,
+            host=app_config.host,
+            port=app_config.port,
+            log_level="warning",
+            proxy_headers=False,
+        )
         monitor.stop()
     except CrowdchatError as e:
         sys.exit(f"crowdchat: {e}")

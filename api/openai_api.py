@@ -27,8 +27,8 @@ CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, logs show
 
 def owner_of(request: Request) -> str:
     """The caller: the identity the Doors middleware found (an API key's user, a key of the
-    --api-keys file), else (the open API, or these routes without the middleware) a hash of
-    the bearer string, or 'api:anonymous' without one."""
+    --api-keys file, the open API's client address); these routes mounted without the
+    middleware (their own tests) take a hash of the bearer string, 'api:anonymous' without."""
     identity = identity_of(request.scope)
     return identity.owner if identity is not None else token_owner(bearer(request.headers))
 

@@ -3,8 +3,9 @@
 crowdchat is started by this script (bench/load.py's `Server`), once per policy and scenario,
 with the same flags but `--schedule`; the per-identity caps are raised (those of
 `--tokens-per-minute`, `--max-turns-per-user`, ... that this build has) so the scheduler, not
-the caps, is measured. Each owner is its own API bearer key (anonymous mode: a key's hash is an
-identity); requests are one-off completions (no session), streamed, EOS ignored.
+the caps, is measured. Each owner is a client of its own (anonymous mode: a client is its
+address, `load.client_headers`); requests are one-off completions (no session), streamed, EOS
+ignored.
 
 - Protection: 4 light users in a closed loop (one request at a time, ~100-token prompt, 64 new
   tokens), first alone, then beside one heavy owner keeping 8 requests in flight (~1,500-token
@@ -37,7 +38,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.load import ROOT, ReplyCount, Server, pct, stream_body  # noqa: E402
+from bench.load import ROOT, ReplyCount, Server, client_headers, pct, stream_body  # noqa: E402
 from bench.mixed import cpu_name  # noqa: E402
 from engine.fair_share import max_min_share  # noqa: E402
 
@@ -78,7 +79,7 @@ class Owner:
 
 async def one_request(http: httpx.AsyncClient, owner: Owner, prompt: str, new_tokens: int) -> None:
     body = stream_body([{"role": "user", "content": prompt}], new_tokens)
-    headers = {"Authorization": f"Bearer {owner.key}"}
+    headers = client_headers(owner.key)
     t0 = time.perf_counter()
     reply, stamps = ReplyCount(), []
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import random
 import secrets
@@ -49,8 +50,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# crowdchat started by a bench takes each bench user's X-Forwarded-For as the client's address
+PROXY_ARGS = ["--trusted-proxy", "127.0.0.1"]
+
+
+def client_headers(key: str) -> dict[str, str]:
+    """Bench user `key`'s headers: its bearer, and an address of its own in 198.18.0.0/15
+    (RFC 2544's range for benchmarks) as a proxy would forward it. In crowdchat's open API a
+    client is its address, and the bench's users stand for different clients: a crowdchat
+    started with PROXY_ARGS (as `Server` and peers.py start it) believes the header; other
+    servers ignore it."""
+    n = int.from_bytes(hashlib.sha256(key.encode()).digest()[:2], "big")
+    return {"Authorization": f"Bearer {key}", "X-Forwarded-For": f"198.18.{n >> 8}.{n & 255}"}
+
+
 class Server:
-    """crowdchat in a subprocess, or a server someone else runs (--base)."""
+    """crowdchat in a subprocess (behind PROXY_ARGS), or a server someone else runs (--base)."""
 
     def __init__(self, base: str | None, server_args: list[str]) -> None:
         self.proc: subprocess.Popen | None = None
@@ -67,6 +82,7 @@ class Server:
                 str(port),
                 "--data-dir",
                 data,
+                *PROXY_ARGS,
                 *server_args,
             ],
             cwd=ROOT,
@@ -214,8 +230,7 @@ async def user(
     stateless: bool = False,
     model: str | None = None,
 ) -> None:
-    key = secrets.token_hex(8)
-    auth = {"Authorization": f"Bearer {key}"}
+    auth = client_headers(secrets.token_hex(8))
     history: list[dict[str, str]] = []  # --stateless: the conversation lives here
 
     async def new_conversation() -> dict[str, str]:

@@ -33,7 +33,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: bench/ is then first on the path, not the root
 
-from bench.load import Server, free_port, run_point  # noqa: E402
+from bench.load import PROXY_ARGS, Server, client_headers, free_port, run_point  # noqa: E402
 from bench.peers import provenance  # noqa: E402
 from bench.vllm_cpu import (  # noqa: E402
     CACHE,
@@ -72,7 +72,7 @@ class Front:
     ) -> None:
         self.data = Path(tempfile.mkdtemp(prefix="crowdchat-scale-"))
         port = free_port()
-        flags = [*NO_LIMITS, "--upstream-stream-interval", str(stream_interval)]
+        flags = [*NO_LIMITS, *PROXY_ARGS, "--upstream-stream-interval", str(stream_interval)]
         cmd = crowdchat_command(urls, model, port, self.data, *flags)
         self.app = Launched(name, cmd, port, logs)
         self.base = self.app.wait_ready("/health", timeout=300)
@@ -131,7 +131,7 @@ async def sticky_users(base: str, sessions: int, turns: int) -> None:
     """`sessions` conversations at once, each `turns` short turns with its own seed."""
 
     async def one(i: int, http: httpx.AsyncClient) -> None:
-        auth = {"Authorization": f"Bearer sticky-{i}"}
+        auth = client_headers(f"sticky-{i}")
         made = await http.post("/v1/sessions", headers=auth)
         headers = {**auth, "X-Session-Id": made.json()["id"]}
         for t in range(turns):

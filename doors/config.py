@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -40,6 +41,12 @@ class AppConfig(Settings):
         "file of API keys (one per line, or name:key); /v1 then requires one of them; off "
         "without --auth: /v1 is open",
         flag="--api-keys",
+    )
+    trusted_proxy: str = setting(
+        "",
+        "addresses or networks (comma-separated: 127.0.0.1,10.0.0.0/8) of reverse proxies whose "
+        "X-Forwarded-For and X-Forwarded-Proto are believed; off: the connecting address is "
+        "the client, whatever headers it sends",
     )
     max_body_bytes: int = setting(1 << 20, "largest accepted request body; beyond: HTTP 413")
     new_identities_per_minute: int = setting(
@@ -83,10 +90,19 @@ class AppConfig(Settings):
         need(self.metrics_token is None or len(self.metrics_token) >= 16,
              "--metrics-token must have at least 16 characters")  # fmt: skip
         need(0 < self.sign_in_hours <= 24 * 366, "--sign-in-hours must be in (0, 8784]")
+        for proxy in self.proxies():
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                need(False, f"--trusted-proxy: {proxy!r} is not an address or network")
         need(self.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024")
         for name in ("new_identities_per_minute", "login_failures_per_name",
                      "login_failures_per_address"):  # fmt: skip
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+
+    def proxies(self) -> list[str]:
+        """The --trusted-proxy addresses and networks, one string each."""
+        return [p.strip() for p in self.trusted_proxy.split(",") if p.strip()]
 
     def admin_secret(self) -> str | None:
         """The admin password from the flag, the environment or the file (its first line)."""

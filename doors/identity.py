@@ -1,10 +1,12 @@
 """Who a request comes from: a signed-in user (Gradio's login cookie), an API key (issued
 per user, or from the --api-keys file), an anonymous browser (signed cookie), or, in the open
-anonymous API, the hash of whatever bearer string was sent (as before)."""
+API (no --auth, no --api-keys), the client's address: a bearer string there names nobody, as
+anyone can send a new one with every request and so escape every per-user limit."""
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +22,7 @@ class Identity:
     """The caller. `owner` is what sessions are keyed by: `user:NAME`, `api:...`, `browser:ID`."""
 
     owner: str
-    via: str  # "sign-in", "api key", "cookie", "bearer"
+    via: str  # "sign-in", "api key", "cookie", "address"
     name: str | None = None
     admin: bool = False
 
@@ -37,8 +39,30 @@ def bearer(headers: dict[str, str]) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
+def client_key(address: str) -> str:
+    """What per-address limits and the open API's identity count by: an IPv4 address, or an
+    IPv6 address's /64 (one host is given a whole /64 and may send from any address in it);
+    an IPv4-mapped IPv6 address is its IPv4 address. Anything else (a Unix socket's peer,
+    "unknown") as it is."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+def address_owner(address: str) -> str:
+    """The open API's owner: the client's address (`client_key`)."""
+    return f"address:{client_key(address)}"
+
+
 def token_owner(token: str | None) -> str:
-    """The open API's owner (no --auth, no --api-keys): a hash of the bearer string."""
+    """The owner of a bare key in an --api-keys file (a hash of it), and the API router's
+    when it is mounted without the Doors middleware (tests of the routes alone)."""
     if not token:
         return "api:anonymous"
     return "api:" + hashlib.sha256(token.encode()).hexdigest()[:16]

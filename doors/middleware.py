@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api.errors import ApiError, error_response
 from doors.browser_id import COOKIE, BrowserIds
 from doors.config import AppConfig
-from doors.identity import STATE_KEY, Identity, Resolver, bearer, token_owner
+from doors.identity import STATE_KEY, Identity, Resolver, address_owner, bearer, client_key
 from doors.throttle import LOGIN_ADDRESS
 from ui.auth import same_text
 
@@ -59,8 +59,11 @@ def _is_static(path: str) -> bool:
 
 
 def _address(scope: Scope) -> str:
+    """The client, as per-address limits count it (`client_key`): the connecting address, or
+    the one a --trusted-proxy forwarded (uvicorn's ProxyHeadersMiddleware, in front of this
+    one, has put it in the scope)."""
     client = scope.get("client")
-    return client[0] if client else "unknown"
+    return client_key(client[0]) if client else "unknown"
 
 
 def _replace_cookie(scope: Scope, value: str) -> None:
@@ -172,7 +175,7 @@ class Doors:
 
     async def _api(self, request: Request) -> Admit | Response:
         if self.open_api:
-            return Admit(Identity(token_owner(bearer(request.headers)), "bearer"))  # type: ignore[arg-type]
+            return Admit(Identity(address_owner(_address(request.scope)), "address"))
         identity = await self._key(request)
         if identity is not None:
             return Admit(identity)

@@ -43,8 +43,10 @@ as before, and the log says why.
 
 `CROWDCHAT_KERNEL_SANITIZE=1` builds them (a build of its own) with AddressSanitizer and
 UndefinedBehaviorSanitizer (`-fsanitize=address,undefined -fno-omit-frame-pointer -g`), for the
-kernel tests and the fuzzers (`fuzz/`). The ASan runtime must come first
-in a process that loads it: `LD_PRELOAD=$(gcc -print-file-name=libasan.so)`, with
+kernel tests (`make test-sanitize`) and the fuzzers (`make fuzz`). The ASan runtime must come
+first in a process that loads it, and libstdc++ with it (else ASan cannot intercept a C++
+throw and aborts on the first TORCH_CHECK that fails):
+`LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"`, with
 `ASAN_OPTIONS=detect_leaks=0` (Python itself never frees some of its memory) and
 `UBSAN_OPTIONS=halt_on_error=1` so undefined behaviour fails instead of printing.
 """

@@ -5,10 +5,11 @@ returns zlib's CRC-32 of the bytes it read, having copied them, and only them, w
 say; it never crashes, never writes outside the pool and never leaks a file descriptor.
 
 An input is `PARAMS`, then `n_slots` signed bytes (the slots), then the file's bytes. Run it on
-the sanitized build as well to catch what the oracle cannot see:
+the sanitized build (as `make fuzz` does) to catch what the oracle cannot see:
 
-    CROWDCHAT_KERNEL_SANITIZE=1 LD_PRELOAD=$(gcc -print-file-name=libasan.so) \\
-        ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \\
+    CROWDCHAT_KERNEL_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 \\
+        UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 LD_PRELOAD="$(gcc \\
+        -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)" \\
         .venv/bin/python fuzz/fuzz_kv_read_file.py -max_total_time=600
 """
 

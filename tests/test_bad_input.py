@@ -8,14 +8,15 @@ import httpx
 import pytest
 
 from engine.loader import LoadedModel
-from tests.web import running_server
+from tests.web import PROXY, client_at, running_server
 
 HI = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
 def url(nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with running_server(nf4_model, tmp_path_factory.mktemp("bad"), {"max_model_len": 1024}) as (
+    data = tmp_path_factory.mktemp("bad")
+    with running_server(nf4_model, data, {"max_model_len": 1024}, trusted_proxy=PROXY) as (
         base,
         _,
         _,
@@ -35,7 +36,7 @@ def post(url: str, body: object, **headers: str) -> httpx.Response:
 
 
 def session(url: str, key: str = "k") -> str:
-    r = httpx.post(f"{url}/v1/sessions", headers={"Authorization": f"Bearer {key}"})
+    r = httpx.post(f"{url}/v1/sessions", headers=client_at(key))
     return r.json()["id"]
 
 
@@ -64,7 +65,7 @@ def test_bad_requests_are_refused_clearly(url: str, body: object, status: int, w
 
 def test_bad_session_messages_are_refused_before_storage(url: str) -> None:
     sid = session(url)
-    headers = {"Authorization": "Bearer k", "X-Session-Id": sid}
+    headers = {**client_at("k"), "X-Session-Id": sid}
     for content, words in (
         ("", "empty"),
         ("x" * 1_000_000, "limit"),
@@ -86,7 +87,7 @@ def test_special_tokens_and_control_characters_are_plain_text(url: str) -> None:
         f"{url}/v1/chat/completions",
         timeout=60,
         json={"messages": [{"role": "user", "content": text}], "max_tokens": 8},
-        headers={"Authorization": "Bearer k", "X-Session-Id": sid},
+        headers={**client_at("k"), "X-Session-Id": sid},
     )
     assert r.status_code == 200
     assert r.json()["usage"]["prompt_tokens"] > 20  # the markup was tokenized as text
@@ -99,8 +100,8 @@ def test_huge_max_tokens_is_clamped_not_refused(url: str) -> None:
 
 @pytest.mark.parametrize("sid", ["../../etc/passwd", "0" * 32, "a/b", "%2e%2e", "x" * 500])
 def test_unknown_foreign_and_path_like_session_ids_are_404(url: str, sid: str) -> None:
-    r = post(url, {"messages": HI}, **{"X-Session-Id": sid, "Authorization": "Bearer k"})
+    r = post(url, {"messages": HI}, **{"X-Session-Id": sid, **client_at("k")})
     assert r.status_code == 404
-    theirs = session(url, "someone-else")
-    r = post(url, {"messages": HI}, **{"X-Session-Id": theirs, "Authorization": "Bearer k"})
+    theirs = session(url, "someone-else")  # a client at another address
+    r = post(url, {"messages": HI}, **{"X-Session-Id": theirs, **client_at("k")})
     assert r.status_code == 404

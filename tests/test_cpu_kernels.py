@@ -383,4 +383,10 @@ def test_a_kernel_target_that_is_no_gcc_name_is_refused(monkeypatch: pytest.Monk
         cpu_kernels.flags()
     monkeypatch.setenv(cpu_kernels.ARCH_VARIABLE, "x86-64-v3")
     monkeypatch.setenv(cpu_kernels.TUNE_VARIABLE, "znver3")
+    monkeypatch.delenv(cpu_kernels.SANITIZE_VARIABLE, raising=False)  # a sanitized test run
     assert cpu_kernels.flags() == ["-O3", "-march=x86-64-v3", "-fopenmp", "-mtune=znver3"]
+    monkeypatch.setenv(cpu_kernels.SANITIZE_VARIABLE, "1")
+    assert "-fsanitize=address,undefined" in cpu_kernels.flags()
+    monkeypatch.setenv(cpu_kernels.SANITIZE_VARIABLE, "yes")
+    with pytest.raises(ValueError, match="use 1"):
+        cpu_kernels.flags()

@@ -13,7 +13,7 @@ import pytest
 
 from engine import InvalidRequest, SamplingParams
 from engine.loader import LoadedModel
-from tests.web import running_server
+from tests.web import PROXY, client_at, running_server
 
 HI = [{"role": "user", "content": "Hi"}]
 SHORT = SamplingParams(max_new_tokens=4)
@@ -37,12 +37,14 @@ def server(
         tmp_path_factory.mktemp("limits"),
         {"max_model_len": 1024},
         session_overrides=CAPS,
+        trusted_proxy=PROXY,
     ) as (url, _engine, sm):
         yield url, sm
 
 
 def key(name: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {name}"}
+    """User `name` of the open API: a client at an address of its own."""
+    return client_at(name)
 
 
 def chat(url: str, who: str, **extra: object) -> httpx.Response:

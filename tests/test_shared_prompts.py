@@ -10,7 +10,7 @@ import httpx
 from gradio_client import Client
 
 from engine.loader import LoadedModel
-from tests.web import ADMIN_PASSWORD, running_server
+from tests.web import ADMIN_PASSWORD, PROXY, client_at, running_server
 
 SYSTEM_TEXT = (
     "You are the assistant of the Riverside team. Answer briefly, kindly and precisely. "
@@ -20,9 +20,9 @@ TURN = {"messages": [{"role": "user", "content": "Name one harbour."}], "max_tok
 
 
 def kv_of(url: str, user: str, system_prompt: str = SYSTEM_TEXT) -> str:
-    """A new conversation of `user` (an API bearer string) under the system prompt: where its
-    first turn's KV came from (the X-Crowdchat-KV header)."""
-    auth = {"Authorization": f"Bearer {user}"}
+    """A new conversation of `user` (an API client at an address of its own) under the system
+    prompt: where its first turn's KV came from (the X-Crowdchat-KV header)."""
+    auth = client_at(user)
     with httpx.Client(base_url=url, timeout=120, headers=auth) as http:
         r = http.post("/v1/sessions", json={"system_prompt": system_prompt})
         assert r.status_code == 200, r.text
@@ -40,7 +40,7 @@ def test_an_admin_shares_a_system_prompt_a_restart_keeps_it_and_removing_it_stop
     nf4_model: LoadedModel, tmp_path: Path
 ) -> None:
     data = tmp_path / "data"
-    with running_server(nf4_model, data) as (url, _engine, sm):
+    with running_server(nf4_model, data, trusted_proxy=PROXY) as (url, _engine, sm):
         assert kv_of(url, "ann-key") == "cold"
         assert kv_of(url, "bob-key") == "cold"  # not shared yet: ann's blocks are hers
         note, _table, box = admin(url).predict(SYSTEM_TEXT, api_name="/share_prompt")
@@ -51,7 +51,7 @@ def test_an_admin_shares_a_system_prompt_a_restart_keeps_it_and_removing_it_stop
         empty, _table, _box = admin(url).predict("   ", api_name="/share_prompt")
         assert "empty" in empty
         [row] = sm.shared_prompts.list()
-    with running_server(nf4_model, data) as (url, _engine, sm):
+    with running_server(nf4_model, data, trusted_proxy=PROXY) as (url, _engine, sm):
         assert [r["text"] for r in sm.shared_prompts.list()] == [row["text"]]
         assert kv_of(url, "fay-key") == "cold"
         assert kv_of(url, "gus-key") == "cached"  # the restart kept the mark

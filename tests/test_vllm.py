@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.load import free_port
+from bench.load import client_headers, free_port
 from bench.vllm_cpu import (
     CACHE,
     Launched,
@@ -81,6 +81,8 @@ def crowdchat(
     env = {
         "CROWDCHAT_ADMIN_PASSWORD": ADMIN_PASSWORD,
         "CROWDCHAT_NEW_IDENTITIES_PER_MINUTE": "1000",
+        # each test user is a client of its own behind a proxy (client_headers)
+        "CROWDCHAT_TRUSTED_PROXY": "127.0.0.1",
         # every test streams 3-token chunks from vLLM (its per-request stream_interval)
         "CROWDCHAT_UPSTREAM_STREAM_INTERVAL": "3",
     }
@@ -118,7 +120,7 @@ def running(replica: Launched) -> float:
 
 
 def new_session(base: str, key: str) -> dict[str, str]:
-    auth = {"Authorization": f"Bearer {key}"}
+    auth = client_headers(key)
     made = httpx.post(base + "/v1/sessions", headers=auth, timeout=30)
     assert made.status_code == 200, made.text
     return {**auth, "X-Session-Id": made.json()["id"]}
@@ -255,7 +257,7 @@ def test_one_users_cached_prompt_is_no_prefix_cache_hit_for_another(crowdchat, r
     def one_off(key: str) -> tuple[int, float]:
         """(the replica that served it, the prefix-cache hits it added there)"""
         before, hits = served(replicas), [prefix_hits(r) for r in replicas]
-        r = turn(base, {"Authorization": f"Bearer {key}"}, words, max_tokens=2)
+        r = turn(base, client_headers(key), words, max_tokens=2)
         assert r.status_code == 200, r.text
         at = which(before, served(replicas))
         return at, prefix_hits(replicas[at]) - hits[at]

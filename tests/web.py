@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import threading
 import time
@@ -16,6 +17,15 @@ from engine.loader import LoadedModel
 from tests.conftest import close_sessions, make_sessions
 
 ADMIN_PASSWORD = "correct horse battery"
+PROXY = "127.0.0.1"  # trusted_proxy=PROXY: the suite's clients come through a proxy on loopback
+
+
+def client_at(name: str) -> dict[str, str]:
+    """The headers of API client `name` at an address of its own (in 198.18.0.0/15, the
+    range for benchmarks), forwarded by the proxy of a server started with
+    `trusted_proxy=PROXY`: in the open API a client is its address."""
+    n = int.from_bytes(hashlib.sha256(name.encode()).digest()[:2], "big")
+    return {"X-Forwarded-For": f"198.18.{n >> 8}.{n & 255}"}
 
 
 def free_port() -> int:
@@ -47,7 +57,11 @@ def running_server(
     if apps is not None:
         apps.append(app)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # as app.main serves it: uvicorn believes no X-Forwarded-For (--trusted-proxy does)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", proxy_headers=False
+    )
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
