@@ -273,6 +273,9 @@ def test_kv_read_file_refuses_a_token_count_past_any_file_before_it_allocates(
         # a pool of no layers reads nothing, however many tokens (was a buffer sized first)
         empty = torch.zeros(0, 3, 64, 64, dtype=torch.bfloat16)
         assert read(str(path), 0, empty, one, 2**32, 2**32 - 1, 0) == 0
+        # nor one of head size 0 (a memcpy from and to null: undefined, UBSan's find)
+        flat = torch.zeros(2, 3, 64, 0, dtype=torch.bfloat16)
+        assert read(str(path), 0, flat, one, 1, 0, 12345) == 12345
     assert len(os.listdir("/proc/self/fd")) == fds
     assert not pool.any()
 

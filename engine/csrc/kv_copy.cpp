@@ -114,7 +114,10 @@ int64_t kv_read_file(const std::string& path, int64_t offset, at::Tensor pool,
   TORCH_CHECK_VALUE(::fstat(file.fd, &st) == 0, path, ": ", std::strerror(errno));
   TORCH_CHECK_VALUE(S_ISREG(st.st_mode), path, ": not a regular file");
   TORCH_CHECK_VALUE(end <= st.st_size, path, ": shorter than its tensor");
-  std::vector<char> buf(L > 0 ? layer : 0);  // a pool of no layers reads nothing
+  // nothing to read or copy (no layers, tokens, heads or head size): the CRC as given, and no
+  // memcpy to or from the null data of an empty tensor (undefined even for 0 bytes: UBSan)
+  if (L == 0 || layer == 0) return crc;
+  std::vector<char> buf(layer);
   char* pp = static_cast<char*>(pool.data_ptr());
   auto c = static_cast<uint32_t>(crc);
   for (int64_t l = 0; l < L; ++l) {
