@@ -21,14 +21,14 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium
 
-# the CPU kernels are C++ (engine/cpu_kernels.py): built once per machine
+# the CPU kernels are C++ (engine/kernels/cpu_kernels.py): built once per machine
 # with a compiler and ninja, cached in ~/.cache/crowdchat/kernels (a no-op when built)
 /usr/bin/g++ /usr/bin/ninja:
 	$(SUDO) apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq g++ ninja-build
 
 kernel: $(STAMP) /usr/bin/g++ /usr/bin/ninja
-	$(PY) engine/cpu_kernels.py
+	$(PY) engine/kernels/cpu_kernels.py
 
 run: kernel
 	$(PY) app.py $(ARGS)
@@ -44,7 +44,7 @@ test: kernel $(CHROMIUM)
 
 test-avx2: kernel
 	if grep -qw avx2 /proc/cpuinfo; then \
-		$(AVX2_ENV) $(PY) engine/cpu_kernels.py && \
+		$(AVX2_ENV) $(PY) engine/kernels/cpu_kernels.py && \
 		$(AVX2_ENV) $(PY) -m pytest -q -p no:cacheprovider $(KERNEL_TESTS); \
 	else echo "no AVX2 here: the AVX2 build's tests skipped"; fi
 
@@ -70,7 +70,7 @@ vllm: $(STAMP)
 test-vllm: vllm $(CHROMIUM)
 	CROWDCHAT_TEST_VLLM=1 $(PY) -m pytest -q tests/test_vllm.py $(ARGS)
 
-# the kernels built with AddressSanitizer and UndefinedBehaviorSanitizer (engine/cpu_kernels.py);
+# the kernels built with AddressSanitizer and UndefinedBehaviorSanitizer (engine/kernels/cpu_kernels.py);
 # their runtime first in the process, and libstdc++ with it, or ASan cannot intercept throws
 SANITIZE_ENV := CROWDCHAT_KERNEL_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 \
 	UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \

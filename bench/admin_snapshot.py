@@ -56,7 +56,7 @@ def snapshot(engine, label: str, monitor: ModuleType) -> dict:  # noqa: ANN001 -
     """The admin page's figures as plain JSON-able values."""
     import torch
 
-    from engine.loader import dtype_name
+    from engine.model.loader import dtype_name
 
     mem = monitor.memory(engine)
     out = {
@@ -145,7 +145,7 @@ def measure(args: argparse.Namespace) -> dict:
     from bench.random_model import is_random
     from bench.throughput import TEXT
     from engine import Engine, EngineConfig, SamplingParams
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     monitor = load_monitor()  # before the model: fail in seconds, not minutes
     config = EngineConfig.from_namespace(args)

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.load import ROOT, ReplyCount, Server, client_headers, pct, stream_body  # noqa: E402
 from bench.mixed import cpu_name  # noqa: E402
-from engine.fair_share import max_min_share  # noqa: E402
+from engine.core.fair_share import max_min_share  # noqa: E402
 
 # Per-identity caps off (0) where this build has the flag: the scheduler is what is measured.
 CAPS_OFF = (

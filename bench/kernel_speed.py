@@ -1,7 +1,7 @@
 """Which weight kernel is fastest here? One engine decode step, timed per kernel and row count.
 
 Loads the embedded model once per mode (`--quant nf4` as the server runs it: crowdchat's 4-bit
-kernel where compute is float32 (engine.cpu_kernels), else PyTorch's, with the default dense
+kernel where compute is float32 (engine.kernels.cpu_kernels), else PyTorch's, with the default dense
 copy: none on crowdchat's AVX512-BF16 kernel, FBGEMM's float16 above 4 rows where compute is
 float32 otherwise, else a copy in the compute dtype above 16; the same on PyTorch's int4 kernel;
 with the compute-dtype copy above 16 rows, as before FBGEMM; packed only; bitsandbytes nf4; and
@@ -26,12 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # the engine first: it sets OpenMP's passive waits before torch loads libgomp (engine/threads.py),
 # so this measures the same threads the server runs, not spinning ones
-from engine import Engine, EngineConfig, SamplingParams, cpu_quant, fused_proj  # noqa: E402, I001
-from engine import cpu_kernels, model_runner  # noqa: E402
+from engine import Engine, EngineConfig, SamplingParams  # noqa: E402, I001
+from engine.model import cpu_quant, fused_proj
+from engine.kernels import cpu_kernels  # noqa: E402
+from engine.model import runner as model_runner
 
 import torch  # noqa: E402
-from engine.loader import dtype_name, load_model  # noqa: E402
-from engine.scheduler import StepPlan  # noqa: E402
+from engine.model.loader import dtype_name, load_model  # noqa: E402
+from engine.model.plan import StepPlan  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 
 MODES = {
@@ -45,10 +47,11 @@ MODES = {
     # the same without issue 9's cuts (q/k/v and gate/up fused, one-op RMSNorm): before/after
     # in one run
     "torch_int4_unfused": {"quant": "nf4", "unfused": True},
-    # decode steps through engine.lean_llama's general loop, not `_decodes` on crowdchat's glue
+    # decode steps through engine.model.lean_llama's general loop, not `_decodes` on crowdchat's
+    # glue
     # kernels (RoPE + K/V write, attention, projections called straight)
     "int4_layer_loop": {"quant": "nf4", "loop": True},
-    # the default path through transformers' Llama code instead of engine.lean_llama
+    # the default path through transformers' Llama code instead of engine.model.lean_llama
     "torch_int4_transformers_forward": {"quant": "nf4", "hf": True},
     "torch_int4_packed_only": {"quant": "nf4", "cpu_dense_above": 0},
     "bitsandbytes_nf4": {"quant": "nf4", "bnb": True},

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.throughput import TEXT, make_prompts  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from engine.loader import LoadedModel, load_model  # noqa: E402
+from engine.model.loader import LoadedModel, load_model  # noqa: E402
 
 
 def measure(loaded: LoadedModel, config: EngineConfig, long_tokens: int) -> dict:

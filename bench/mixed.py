@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.throughput import TEXT, pct  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.handle import RequestHandle  # noqa: E402
-from engine.loader import LoadedModel, dtype_name, load_model  # noqa: E402
+from engine.model.loader import LoadedModel, dtype_name, load_model  # noqa: E402
 
 POLL_S = 0.001  # stamping resolution; a step takes tens of milliseconds
 

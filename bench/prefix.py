@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.random_model import is_random  # noqa: E402
 from bench.restore import history_text  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from engine.loader import dtype_name, load_model  # noqa: E402
+from engine.model.loader import dtype_name, load_model  # noqa: E402
 from sessions import ChatTurn, SessionConfig, SessionManager  # noqa: E402
 from sessions.prompt import conversation  # noqa: E402
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.random_model import is_random  # noqa: E402
 from bench.throughput import TEXT  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from engine.loader import load_model  # noqa: E402
+from engine.model.loader import load_model  # noqa: E402
 from sessions import SessionConfig, SessionManager  # noqa: E402
 
 NEXT = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.random_model import is_random  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from engine.loader import LoadedModel, dtype_name, load_model  # noqa: E402
 from engine.metrics import Metrics  # noqa: E402
+from engine.model.loader import LoadedModel, dtype_name, load_model  # noqa: E402
 from engine.threads import run_in_fresh_thread  # noqa: E402
 
 TEXT = (

@@ -79,7 +79,10 @@ def prepare_vllm(cache: Path = CACHE) -> Path:
 
 def prepare_model(cache: Path = CACHE) -> tuple[Path, Path]:
     """(GGUF, safetensors dir): the very weights crowdchat serves, in each peer's format."""
-    from engine.loader import convert_gguf, embedded_gguf  # torch and transformers: slow import
+    from engine.model.loader import (  # torch and transformers: slow import
+        convert_gguf,
+        embedded_gguf,
+    )
 
     gguf = embedded_gguf()
     return gguf, convert_gguf(gguf, cache / "model-data")

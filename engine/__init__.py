@@ -8,7 +8,7 @@ prefer_passive_omp_waits()  # before anything below loads torch (and with it lib
 
 from engine.backend import Backend
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.core.engine import Engine
 from engine.errors import (
     CrowdchatError,
     EngineStopped,
@@ -18,20 +18,19 @@ from engine.errors import (
     ServerBusy,
 )
 from engine.handle import RequestFailed, RequestHandle
-from engine.kv_file import KVFile, KVFileDamaged, kv_crc32, read_kv_file
+from engine.kv_file import KVExport, KVFile, KVFileDamaged, kv_crc32, read_kv_file
 from engine.metrics import EngineStats
-from engine.model_runner import StepRunner
-from engine.resident import KVExport
+from engine.model.runner import StepRunner
 from engine.sequence import FinishReason, SamplingParams
 
 
 def open_backend(config: EngineConfig) -> Backend:
     """The upstream backend with --engine-url, else the built-in engine (loads the model)."""
     if config.urls():
-        from engine.upstream import UpstreamBackend
+        from engine.upstream.backend import UpstreamBackend
 
         return UpstreamBackend(config)
-    from engine.engine import Engine
+    from engine.core.engine import Engine
 
     return Engine(config)
 

@@ -15,9 +15,8 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.handle import RequestHandle
-from engine.kv_file import KVFile
+from engine.kv_file import KVExport, KVFile
 from engine.metrics import EngineStats, Metrics
-from engine.resident import KVExport
 from engine.sequence import SamplingParams
 
 

@@ -1,4 +1,5 @@
-"""KV stored raw in a file (a session snapshot): where its bytes are, and how to check them.
+"""KV outside the pool: copied to host memory (`KVExport`), or stored raw in a file (a session
+snapshot, `KVFile`): where its bytes are, and how to check them.
 
 The session layer owns the file format (sessions/snapshots.py); the engine needs only where K
 and V lie in the file and the CRC-32 they must have, to read them straight into its pool.
@@ -13,6 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """An owner's resident KV copied to CPU: the token ids it covers, K and V `[L, T, H_kv, D]`."""
+
+    token_ids: list[int]
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 class KVFileDamaged(Exception):

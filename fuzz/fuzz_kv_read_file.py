@@ -1,4 +1,5 @@
-"""Fuzz `torch.ops.crowdchat.kv_read_file` (engine/csrc/kv_copy.cpp), a disk restore's read of
+"""Fuzz `torch.ops.crowdchat.kv_read_file` (engine/kernels/csrc/kv_copy.cpp), a disk restore's read
+of
 a snapshot's K or V straight into the KV pool, with fuzzed file bytes, offsets, token counts,
 slots, pools and CRCs: it raises RuntimeError (bad arguments) or ValueError (a bad file) or
 returns zlib's CRC-32 of the bytes it read, having copied them, and only them, where the slots
@@ -23,7 +24,7 @@ import _harness
 import atheris
 import torch
 
-from engine import cpu_kernels
+from engine.kernels import cpu_kernels
 
 # dtype, layers, KV heads, head size, pool slots, flags, slots given, tokens past skip + slots
 # (signed); offset, skip, crc (int64 each)

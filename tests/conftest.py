@@ -10,8 +10,8 @@ import pytest
 
 from engine import Engine, EngineConfig
 from engine.chat_format import ChatFormatter
-from engine.loader import LoadedModel, load_model
-from engine.model_runner import ModelRunner, RunnerFactory
+from engine.model.loader import LoadedModel, load_model
+from engine.model.runner import ModelRunner, RunnerFactory
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 

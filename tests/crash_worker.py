@@ -15,7 +15,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.loader import load_model
+from engine.model.loader import load_model
 from sessions import SessionConfig, SessionManager
 
 FIRST = "Tell me about the sea. " * 40

@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import torch
 
 from engine import Engine, EngineConfig
-from engine.kv_cache import KVCache
-from engine.loader import LoadedModel
-from engine.scheduler import MIN_PREFILL_CHUNK, StepPlan
+from engine.core.scheduler import MIN_PREFILL_CHUNK
+from engine.model.kv_cache import KVCache
+from engine.model.loader import LoadedModel
+from engine.model.plan import StepPlan
 from engine.sequence import Sequence
 
 VOCAB = 1000

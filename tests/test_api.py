@@ -20,7 +20,7 @@ from api.chat_request import parse_params
 from api.metrics import build_metrics_router
 from api.openai_api import build_router
 from engine import SamplingParams
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from engine.served import owner_label
 from tests.conftest import close_sessions, make_sessions
 

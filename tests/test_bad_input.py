@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.web import PROXY, client_at, running_server
 
 HI = [{"role": "user", "content": "Hi"}]

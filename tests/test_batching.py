@@ -9,8 +9,8 @@ import torch
 
 from engine import SamplingParams
 from engine.chat_format import ChatFormatter
-from engine.loader import LoadedModel
-from engine.scheduler import StepPlan
+from engine.model.loader import LoadedModel
+from engine.model.plan import StepPlan
 from engine.sequence import Sequence
 from tests.conftest import make_engine
 

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
 
 
 def test_allocate_and_free_keep_exact_accounting() -> None:

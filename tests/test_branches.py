@@ -9,7 +9,7 @@ import pytest
 from sqlite_utils import Database
 
 from engine import SamplingParams
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from sessions import migrations as migrations_module
 from sessions.errors import SessionBusy
 from sessions.migrations import MIGRATIONS

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from engine.loader import LoadedModel, dtype_name
+from engine.model.loader import LoadedModel, dtype_name
 from tests.web import ADMIN_PASSWORD, running_server
 from ui.auth import hash_password
 
@@ -310,7 +310,7 @@ def test_with_sign_in_the_page_signs_in_and_shows_the_api_keys_section(
 def test_admin_shows_upstream_replicas(browser: Browser, model_dir: Path, tmp_path: Path) -> None:
     """With --engine-url the admin page lists the replicas with what their /metrics say."""
     from engine import EngineConfig
-    from engine.loader import local_tokenizer
+    from engine.model.loader import local_tokenizer
     from tests.fake_upstream import FakeReplica
     from tests.test_upstream import upstream_server
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from sessions import migrations as migrations_module
 from sessions.migrations import MIGRATIONS
 from sessions.state import SessionState

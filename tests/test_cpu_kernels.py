@@ -1,4 +1,5 @@
-"""The CPU decode attention kernel (engine/csrc/paged_decode.cpp) against attention computed in
+"""The CPU decode attention kernel (engine/kernels/csrc/paged_decode.cpp) against attention
+computed in
 float64 from the same blocks: seeded random shapes, pool dtypes, block tables and lengths
 (chunk edges included); a sequence's output does not depend on the rest of its batch; bad
 tables and lengths raise instead of reading outside the pool. Its prefill sibling: causal
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import cpu_kernels
+from engine.kernels import cpu_kernels
 
 CHUNK = 512  # the kernel's tokens per work item (kChunk)
 
@@ -26,7 +27,7 @@ CHUNK = 512  # the kernel's tokens per work item (kChunk)
 @pytest.fixture(scope="module")
 def kernel() -> cpu_kernels.Kernel:
     k = cpu_kernels.decode_attention()
-    assert k is not None, "make builds it: python engine/cpu_kernels.py"
+    assert k is not None, "make builds it: python engine/kernels/cpu_kernels.py"
     return k
 
 
@@ -283,7 +284,7 @@ def test_kv_read_file_refuses_a_token_count_past_any_file_before_it_allocates(
 @pytest.mark.parametrize("seed", range(4))
 def test_rope_store_equals_rope_and_index_copy_in_python_bitwise(kernel, seed: int) -> None:
     """`crowdchat::rope_store` against transformers' RoPE (`x * cos + rotate_half(x) * sin`)
-    and the pool write as engine.attention does it, on seeded shapes and pool dtypes."""
+    and the pool write as engine.model.attention does it, on seeded shapes and pool dtypes."""
     from transformers.models.llama.modeling_llama import rotate_half
 
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)

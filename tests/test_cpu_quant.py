@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from bench.throughput import TEXT
-from engine import cpu_kernels, cpu_quant
-from engine.cpu_quant import GROUP_SIZE, DenseKind, Fp16Linear, Int4Linear, Int8Linear
-from engine.loader import LoadedModel
+from engine.kernels import cpu_kernels
+from engine.model import cpu_quant
+from engine.model.cpu_quant import GROUP_SIZE, DenseKind, Fp16Linear, Int4Linear, Int8Linear
+from engine.model.loader import LoadedModel
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="torch lacks the CPU kernels")
 needs_fbgemm = pytest.mark.skipif(
@@ -113,11 +114,12 @@ def assert_rows(
 
 @pytest.mark.parametrize("seed", range(4))
 def test_crowdchat_int4_kernel_computes_what_torchs_does(seed: int) -> None:
-    """engine/csrc/q4_linear.cpp against PyTorch's int4 kernel on the same quantized weights:
+    """engine/kernels/csrc/q4_linear.cpp against PyTorch's int4 kernel on the same quantized
+    weights:
     within one bf16 ulp of each other (their sums run in different orders), at every row count
     (it takes rows 4 or 8 at a time, in chunks of 64); each row's output is bitwise the same
     alone or in any batch."""
-    assert cpu_kernels.load(), "make builds them: python engine/cpu_kernels.py"
+    assert cpu_kernels.load(), "make builds them: python engine/kernels/cpu_kernels.py"
     gen = torch.Generator().manual_seed(seed)
     n, k = [(96, 64), (208, 576), (576, 1536), (48, 32)][seed]
     w = q4_1_weights(gen, n, k) * (1 + 10 * seed)
@@ -256,7 +258,7 @@ def test_the_default_cpu_model_predicts_what_float32_does(
 
 
 def test_crowdchat_int4_kernel_rejects_what_it_cannot_compute() -> None:
-    assert cpu_kernels.load(), "make builds them: python engine/cpu_kernels.py"
+    assert cpu_kernels.load(), "make builds them: python engine/kernels/cpu_kernels.py"
     ours = Int4Linear(torch.randn(8, 64), None, own=True)
     q4 = torch.ops.crowdchat.q4_linear
     with pytest.raises(RuntimeError, match="columns"):
@@ -310,7 +312,8 @@ def test_the_default_cpu_model_runs_on_torch_int4_kernels(nf4_model: LoadedModel
     assert "Int4Linear" in kinds and "Linear4bit" not in kinds
     assert not any(type(m) is torch.nn.Linear for m in nf4_model.model.model.layers.modules())
     head = nf4_model.model.get_output_embeddings()
-    # crowdchat's own 4-bit kernel where compute is float32 (engine.cpu_kernels, built by make)
+    # crowdchat's own 4-bit kernel where compute is float32 (engine.kernels.cpu_kernels, built by
+    # make)
     own = nf4_model.dtype == torch.float32
     assert all(m.own == own for m in nf4_model.model.modules() if isinstance(m, Int4Linear))
     int4 = "crowdchat-int4g32" if own else "torch-int4g32"
@@ -356,12 +359,12 @@ def test_fused_projections_compute_exactly_what_separate_ones_do(make: type, fp1
     """q/k/v (and gate/up) quantized as one matrix give bitwise the separate layers' outputs,
     on the packed kernel (<= 16 rows; PyTorch's or crowdchat's) and the dense copy (more, bf16
     or FBGEMM's float16), in any call order."""
-    from engine.fused_proj import FusedProjection, ProjectionPart, fuse_projections
+    from engine.model.fused_proj import FusedProjection, ProjectionPart, fuse_projections
 
     if isinstance(make, partial):
         if not fp16:
             pytest.skip("crowdchat's 4-bit kernel serves float32 compute")
-        assert cpu_kernels.load(), "make builds them: python engine/cpu_kernels.py"
+        assert cpu_kernels.load(), "make builds them: python engine/kernels/cpu_kernels.py"
     gen = torch.Generator().manual_seed(5)
     dtype = torch.float32 if fp16 else torch.bfloat16
     parent = torch.nn.Module()

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine import SamplingParams
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.conftest import close_sessions, make_sessions
 from tests.crash_worker import GREEDY, NEXT
 

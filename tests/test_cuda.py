@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 from bench.random_model import write_random_model  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from engine.kv_cache import kv_budget_bytes  # noqa: E402
-from engine.loader import LoadedModel, load_model  # noqa: E402
+from engine.model.kv_cache import kv_budget_bytes  # noqa: E402
+from engine.model.loader import LoadedModel, load_model  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 from tests.test_batching import decode_logits, first_step_logits  # noqa: E402
 

@@ -19,7 +19,7 @@ from gradio_client import Client
 
 from doors.config import AppConfig
 from engine.errors import InvalidRequest
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.web import ADMIN_PASSWORD, running_server
 from ui import auth
 

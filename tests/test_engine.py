@@ -21,10 +21,10 @@ from engine import (
     ServerBusy,
 )
 from engine.chat_format import ChatFormatter
-from engine.kv_cache import bytes_per_token
-from engine.loader import LoadedModel
-from engine.model_runner import SERIAL_ROWS, ModelRunner
-from engine.scheduler import StepPlan
+from engine.model.kv_cache import bytes_per_token
+from engine.model.loader import LoadedModel
+from engine.model.plan import StepPlan
+from engine.model.runner import SERIAL_ROWS, ModelRunner
 from engine.threads import run_in_fresh_thread
 from sessions.snapshots import SnapshotFiles
 from tests.conftest import make_engine

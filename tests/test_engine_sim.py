@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine import Engine, FinishReason, RequestHandle, SamplingParams, ServerBusy
-from engine.resident import common_prefix
+from engine.core.resident import common_prefix
 from tests.fake_model import VOCAB, expected_reply, fake_engine
 
 WAIT_S = 30.0  # far above what any request here needs: hitting it means something hangs

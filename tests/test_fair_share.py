@@ -1,4 +1,4 @@
-"""Fair share inside the engine (engine/fair_share.py), without a model: the virtual token
+"""Fair share inside the engine (engine/core/fair_share.py), without a model: the virtual token
 counter's admissions, prefill order, counter lifts, preemption victims, queue positions."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 import time
 
-from engine.block_pool import BlockPool
-from engine.fair_share import FcfsPolicy, SchedulePolicy, VirtualTokenCounter
-from engine.scheduler import Scheduler
+from engine.core.block_pool import BlockPool
+from engine.core.fair_share import FcfsPolicy, SchedulePolicy, VirtualTokenCounter
+from engine.core.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
 from engine.served import owner_label
 from tests.fake_model import fake_engine

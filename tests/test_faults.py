@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from engine import SamplingParams
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from sessions.persist_retry import PersistRetry, RetryPolicy
 from sessions.store import Store
 from tests.conftest import close_sessions, make_sessions
@@ -60,7 +60,7 @@ POLITE = "Answer every question carefully and politely, in plain and simple word
 def test_unwritable_snapshots_under_memory_pressure_make_sessions_cold(
     nf4_model: LoadedModel, tmp_path: Path
 ) -> None:
-    from engine.kv_cache import bytes_per_token
+    from engine.model.kv_cache import bytes_per_token
 
     blocks = 10
     engine, sm = make_sessions(

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.conftest import close_sessions, make_sessions
 from tests.test_api import HI, MODEL, LiveServer
 

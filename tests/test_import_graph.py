@@ -102,10 +102,37 @@ def test_the_circle_finder_finds_circles_of_any_length() -> None:
 
 def test_the_graph_sees_the_imports_a_circle_would_be_made_of() -> None:
     graph = import_graph()
-    assert "engine.metrics" in graph["engine.engine"]  # a plain from-import of a module
-    assert "engine.cpu_kernels" in graph["engine.loader"]  # `from engine import cpu_kernels`
-    assert "engine.upstream" in graph["engine"]  # an import inside a function
+    assert "engine.metrics" in graph["engine.core.engine"]  # a plain from-import of a module
+    # `from engine.kernels import cpu_kernels`
+    assert "engine.kernels.cpu_kernels" in graph["engine.model.loader"]
+    assert "engine.upstream.backend" in graph["engine"]  # an import inside a function
 
 
 def test_no_module_of_the_tree_imports_itself_through_others() -> None:
     assert circles(import_graph()) == []
+
+
+# engine's sub-packages and what each may import of the others (docs/ARCHITECTURE.md)
+LAYERS = {
+    "engine.kernels": set(),
+    "engine.model": {"engine.kernels"},
+    "engine.core": {"engine.model", "engine.kernels"},
+    "engine.upstream": {"engine.model"},
+}
+
+
+def test_the_engines_sub_packages_import_only_downwards() -> None:
+    """The model never schedules, the scheduler never talks to vLLM, the vLLM backend never
+    reaches into the built-in engine, the kernels stand alone; the top level of engine/ (the
+    seam and the shared types) imports no sub-package but in engine/__init__.py."""
+    wrong = []
+    for name, deps in import_graph().items():
+        if not name.startswith("engine"):
+            continue
+        home = next((p for p in LAYERS if name == p or name.startswith(p + ".")), None)
+        allowed = {home} | LAYERS[home] if home else {"engine"} if name == "engine" else set()
+        for dep in deps:
+            layer = next((p for p in LAYERS if dep == p or dep.startswith(p + ".")), None)
+            if layer is not None and layer not in allowed and name != "engine":
+                wrong.append(f"{name} -> {dep}")
+    assert wrong == []

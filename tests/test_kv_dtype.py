@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.lean_llama as lean_llama
+import engine.model.lean_llama as lean_llama
 from engine import Engine, EngineConfig, InvalidRequest, SamplingParams
 from engine.chat_format import ChatFormatter
-from engine.kv_cache import bytes_per_token
-from engine.loader import LoadedModel, resolve_kv_dtype
+from engine.model.kv_cache import bytes_per_token
+from engine.model.loader import LoadedModel, resolve_kv_dtype
 
 F32, BF16 = torch.float32, torch.bfloat16
 

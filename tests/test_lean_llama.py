@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineConfig, cpu_kernels
-from engine.lean_llama import LeanLlama, lean_forward
-from engine.loader import LoadedModel, load_model
-from engine.scheduler import StepPlan
+from engine import EngineConfig
+from engine.kernels import cpu_kernels
+from engine.model.lean_llama import LeanLlama, lean_forward
+from engine.model.loader import LoadedModel, load_model
+from engine.model.plan import StepPlan
 from engine.sequence import SamplingParams, Sequence
 from engine.threads import run_in_fresh_thread
 from tests.conftest import make_engine

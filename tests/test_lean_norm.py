@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from engine import cpu_kernels
-from engine.lean_norm import fuse_norms
-from engine.loader import LoadedModel
+from engine.kernels import cpu_kernels
+from engine.model.lean_norm import fuse_norms
+from engine.model.loader import LoadedModel
 
 
 @pytest.mark.parametrize("kernel", [True, False])
@@ -42,6 +42,6 @@ def test_the_engine_model_runs_the_fused_norms(nf4_model: LoadedModel, tmp_path)
     engine = make_engine(nf4_model, tmp_path)
     try:
         norm = nf4_model.model.model.layers[0].input_layernorm
-        assert norm.forward.__func__.__module__ == "engine.lean_norm"
+        assert norm.forward.__func__.__module__ == "engine.model.lean_norm"
     finally:
         engine.shutdown()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import InvalidRequest, SamplingParams, ServerBusy
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from sessions import Reply, SessionConfig
 from sessions.caps import IdentityCaps
 from sessions.errors import RateLimited

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from engine import InvalidRequest, SamplingParams
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.web import PROXY, client_at, running_server
 
 HI = [{"role": "user", "content": "Hi"}]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine import SamplingParams, ServerBusy
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from sessions import SessionConfig, SessionState
 from sessions.offload import RESTORE_STRIPES, KVOffloader
 from sessions.residency import Residency

@@ -16,7 +16,7 @@ import pytest
 from doors.config import AppConfig
 from doors.identity import address_owner, client_key
 from engine.errors import InvalidRequest
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.web import PROXY, running_server
 
 HI = [{"role": "user", "content": "Hi"}]

@@ -15,7 +15,7 @@ from gradio_client import Client
 
 from doors.browser_id import COOKIE
 from engine import SamplingParams
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.conftest import close_sessions, make_sessions
 from tests.web import running_server
 from ui import auth

@@ -1,4 +1,5 @@
-"""Decode attention on the CPU reads each sequence's own blocks (engine.cpu_kernels); where it
+"""Decode attention on the CPU reads each sequence's own blocks (engine.kernels.cpu_kernels); where
+it
 gathers instead (CUDA, no kernel) it groups decodes by context length, so one long conversation
 costs its own context. Either way the logits change by rounding only. A short prefill chunk
 after cached tokens attends on the CPU kernel too, as its gather path to rounding."""
@@ -11,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import SamplingParams, model_runner
-from engine.loader import LoadedModel
-from engine.model_runner import decode_groups
-from engine.scheduler import StepPlan
+from engine import SamplingParams
+from engine.model import runner as model_runner
+from engine.model.loader import LoadedModel
+from engine.model.plan import StepPlan
+from engine.model.runner import decode_groups
 from engine.sequence import Sequence
 from tests.conftest import make_engine
 
@@ -54,7 +56,7 @@ def test_the_runner_pads_short_decodes_only_to_their_own_group(
         s.num_computed = s.num_tokens - 1
     kernel = engine.runner.decode_kernel
     try:
-        assert kernel is not None  # built by make (engine.cpu_kernels)
+        assert kernel is not None  # built by make (engine.kernels.cpu_kernels)
         meta, _, _, _ = engine.runner._metadata(StepPlan(decodes=seqs))
         # the kernel reads each one's own blocks: one group, no padding
         [whole] = meta.decode_groups

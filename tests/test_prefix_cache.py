@@ -7,7 +7,7 @@ from pathlib import Path
 
 from engine import SamplingParams
 from engine.chat_format import ChatFormatter
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from sessions.reply import kv_source
 from tests.conftest import close_sessions, make_engine, make_sessions
 from tests.fake_model import expected_reply, fake_engine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import CANDIDATES, penalize, sample, sample_row
+from engine.model.sampler import CANDIDATES, penalize, sample, sample_row
 from engine.sequence import SamplingParams, Sequence
 
 

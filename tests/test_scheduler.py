@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool
-from engine.resident import ResidentKV
-from engine.scheduler import Scheduler
+from engine.core.block_pool import BlockPool
+from engine.core.resident import ResidentKV
+from engine.core.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from engine import SamplingParams
 from engine.chat_format import ChatFormatter
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from sessions.prompt import KEEP_FRACTION, PromptEncoder, conversation, first_kept
 from tests.conftest import close_sessions, make_sessions
 

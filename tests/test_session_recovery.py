@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine import SamplingParams
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.conftest import close_sessions, make_sessions
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import SamplingParams, ServerBusy
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from sessions.errors import SessionBusy
 from tests.conftest import close_sessions, make_sessions
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine import InvalidRequest, SamplingParams
-from engine.kv_cache import bytes_per_token
-from engine.loader import LoadedModel
+from engine.model.kv_cache import bytes_per_token
+from engine.model.loader import LoadedModel
 from sessions import SessionState
 from sessions.errors import SessionBusy, SessionNotFound
 from tests.conftest import close_sessions, make_sessions
@@ -206,7 +206,7 @@ def test_five_users_share_a_pool_for_two_lru_first(nf4_model: LoadedModel, tmp_p
 
 
 def engine_bytes(loaded: LoadedModel) -> int:
-    from engine.kv_cache import bytes_per_token
+    from engine.model.kv_cache import bytes_per_token
 
     return bytes_per_token(loaded)
 

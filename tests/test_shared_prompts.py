@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 from gradio_client import Client
 
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.web import ADMIN_PASSWORD, PROXY, client_at, running_server
 
 SYSTEM_TEXT = (

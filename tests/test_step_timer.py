@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.budget import StepTimer
+from engine.core.budget import StepTimer
 from engine.metrics import Histogram
 
 # synthetic steps: 10 ms fixed, 0.5 ms per token, 0.001 ms per query-key pair

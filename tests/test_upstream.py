@@ -26,11 +26,11 @@ from engine import (
     RequestFailed,
     SamplingParams,
 )
-from engine.loader import local_tokenizer
 from engine.metrics import WINDOW_S, Metrics
-from engine.routing import Router, parse_metrics, score
-from engine.upstream import UpstreamBackend
-from engine.upstream_stream import completion_body, sse_lines
+from engine.model.loader import local_tokenizer
+from engine.upstream.backend import UpstreamBackend
+from engine.upstream.routing import Router, parse_metrics, score
+from engine.upstream.stream import completion_body, sse_lines
 from sessions import SessionConfig, SessionManager
 from tests.fake_model import fake_engine
 from tests.fake_upstream import MODEL, FakeReplica

@@ -11,7 +11,7 @@ import pytest
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.web import ADMIN_PASSWORD, running_server
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import uvicorn
 
 from app import AppConfig, build_app
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from tests.conftest import close_sessions, make_sessions
 
 ADMIN_PASSWORD = "correct horse battery"

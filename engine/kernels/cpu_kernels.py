@@ -1,7 +1,7 @@
-"""crowdchat's own CPU kernels (C++, `engine/csrc/`), built once per machine.
+"""crowdchat's own CPU kernels (C++, `engine/kernels/csrc/`), built once per machine.
 
 - `paged_decode_attention` (`csrc/paged_decode.cpp`): decode attention read straight from the
-  paged KV pool. The gather path (`engine.attention`) copies every decoding sequence's blocks
+  paged KV pool. The gather path (`engine.model.attention`) copies every decoding sequence's blocks
   into a dense tensor, widens a bf16 pool to float32, then calls SDPA: three passes over the
   context's bytes and a padded batch. On the 2-core AVX2 EPYC that was ~40% of a 32-row decode
   step, and one long conversation slowed everyone (issue 9). The kernel reads each K/V row from
@@ -15,12 +15,13 @@
   kernel's for that token, where the gather path copied the whole context into a dense tensor
   and SDPA took an explicit mask.
 - `q4_linear` (`csrc/q4_linear.cpp`): the 4-bit weights' matmul for few rows where compute is
-  float32 (engine.cpu_quant): PyTorch's int4 kernel widens bfloat16 activations group by group
+  float32 (engine.model.cpu_quant): PyTorch's int4 kernel widens bfloat16 activations group by group
   on CPUs without native bfloat16; this one widens each group's weights once for up to 4 rows.
   On CPUs with AVX512-BF16 it is a `vdpbf16ps` kernel with its own layout, faster than a dense
   float16 copy on FBGEMM at every row count measured (1 to 512), so no dense copy is kept.
 - `rope_store` (`csrc/rope_store.cpp`) and `rms_norm` (`csrc/rms_norm.cpp`): the glue of a
-  decode step (engine.lean_llama `_decodes`, engine.lean_norm), one call each where Python made
+  decode step (engine.model.lean_llama `_decodes`, engine.model.lean_norm), one call each where
+  Python made
   ~20 and ~10 ATen calls, computing bitwise the same values; `decode_layer`
   (`csrc/decode_layer.cpp`): a whole layer of a few-row decode step over these, from C++.
 - `kv_scatter` (`csrc/kv_copy.cpp`): a restore's copy of exported K/V into the pool, one
@@ -29,11 +30,11 @@
   pool: a layer at a time read, checksummed (PyTorch's own CRC-32 header) and copied in one
   pass on the restore thread, the GIL released.
 - `omp_threads` (`csrc/threads.cpp`): the calling thread's OpenMP team size, for the engine
-  thread's few-row steps, which run on it alone (engine/model_runner.py `SERIAL_ROWS`).
+  thread's few-row steps, which run on it alone (engine/model/runner.py `SERIAL_ROWS`).
 
 They are built with PyTorch's own extension builder (a C++ compiler and ninja; ~1 minute on 2
 cores) into `~/.cache/crowdchat/kernels/`, `-march=native` for the CPU they run on; `make`
-builds them first (`python engine/cpu_kernels.py`, which imports no more than torch).
+builds them first (`python engine/kernels/cpu_kernels.py`, which imports no more than torch).
 `CROWDCHAT_KERNEL_ARCH` names another `-march` target and `CROWDCHAT_KERNEL_TUNE` an `-mtune`
 one, a build each, so that one machine tests the loops of CPUs it is not: `make test` runs the
 kernel tests again on `x86-64-v3` (AVX2 and FMA, no AVX-512) tuned for Zen 3, whose tuning
@@ -151,7 +152,8 @@ def prefill_attention() -> Kernel | None:
 
 def q4_dot_layout() -> bool:
     """Whether the 4-bit kernel was built for AVX512-BF16 (csrc/q4_linear.cpp): its weights
-    then take that kernel's layout (engine.cpu_quant `pack_for_dot`) and need no dense copy."""
+    then take that kernel's layout (engine.model.cpu_quant `pack_for_dot`) and need no dense
+    copy."""
     return load() and torch.ops.crowdchat.q4_dot_layout()
 
 
@@ -163,7 +165,7 @@ def q8_activations() -> bool:
 
 def isa() -> str:
     """The instruction sets the loaded kernels were built for (`avx2+fma+avx512f+...`), or
-    `none` where they cannot be built: the K/V they compute depends on it (engine.loader's
+    `none` where they cannot be built: the K/V they compute depends on it (engine.model.loader's
     fingerprint)."""
     return str(torch.ops.crowdchat.kernel_isa()) if load() else "none"
 
@@ -205,7 +207,7 @@ def _build() -> bool:
 
 
 def main() -> None:
-    """`python engine/cpu_kernels.py`: build the kernels now (`make kernel` does)."""
+    """`python engine/kernels/cpu_kernels.py`: build the kernels now (`make kernel` does)."""
     logging.basicConfig(level=logging.INFO)
     if not load():
         raise SystemExit("crowdchat's CPU kernels could not be built (see above)")

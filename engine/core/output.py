@@ -7,10 +7,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.scheduler import Scheduler
 from engine.handle import RequestHandle
 from engine.metrics import Metrics
-from engine.scheduler import Scheduler, StepPlan
+from engine.model.plan import StepPlan
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)

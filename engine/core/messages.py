@@ -7,7 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from engine.output import Request
+from engine.core.output import Request
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,11 @@ from transformers import (  # noqa: E402
     PreTrainedTokenizerBase,
 )
 
-from engine import cpu_kernels, cpu_quant  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.errors import ModelLoadError  # noqa: E402
-from engine.fingerprint import (  # noqa: E402
+from engine.kernels import cpu_kernels  # noqa: E402
+from engine.model import cpu_quant
+from engine.model.fingerprint import (  # noqa: E402
     CACHE_FILE,
     config_hash,
     file_hash,
@@ -70,7 +71,7 @@ class LoadedModel:
 
     def fingerprint(self, block_size: int) -> dict[str, str | int]:
         """What a KV snapshot must match to be reused by this model: everything that
-        determines its K/V bytes (see `engine.fingerprint`) and the KV layout."""
+        determines its K/V bytes (see `engine.model.fingerprint`) and the KV layout."""
         return {
             "model_id": self.model_id,
             "weights_hash": self.weights_hash,
@@ -112,8 +113,9 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device, own_q4: bool = False) -> torch.dtype:
     """`auto` is bfloat16 where the hardware computes it natively, else float16/float32; on the
     CPU float32 wherever the 4-bit weights run on crowdchat's kernel (`own_q4`: `--quant nf4`
-    with engine.cpu_kernels built), which computes float32 and the decode steps' own path with
-    it (engine.lean_llama `_decodes`). Even where bf16 is native that is faster: on the Zen 5
+    with engine.kernels.cpu_kernels built), which computes float32 and the decode steps' own path
+    with
+    it (engine.model.lean_llama `_decodes`). Even where bf16 is native that is faster: on the Zen 5
     EPYC (AVX512-BF16) a one-row step took 9 ms against 21 on PyTorch's bf16 int4 kernel, 63
     against 76 at 32 rows (medians; README "Float32 compute on native-bf16 CPUs too")."""
     if name != "auto":
@@ -132,7 +134,8 @@ def resolve_dtype(name: str, device: torch.device, own_q4: bool = False) -> torc
 def resolve_kv_dtype(name: str, dtype: torch.dtype, cpu_kernels: bool) -> torch.dtype:
     """`auto` is bfloat16 where PyTorch's CPU kernels run a float32 model, else `dtype`.
 
-    Those kernels (and the dense copies beside them, engine.cpu_quant) round every projection's
+    Those kernels (and the dense copies beside them, engine.model.cpu_quant) round every
+    projection's
     output to bfloat16, so V is bfloat16 already and K differs from it only by RoPE: a bfloat16
     pool stores V exactly, holds twice the tokens of a float32 one, and a decode step reads half
     the bytes gathering context (README "Which kernel runs where").
@@ -231,7 +234,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
 def _load_model(config: EngineConfig) -> LoadedModel:
     device = resolve_device(config.device)
     # On CPU bitsandbytes dequantizes every weight on every call; PyTorch's weight-only
-    # kernels read the packed weights (see engine.cpu_quant).
+    # kernels read the packed weights (see engine.model.cpu_quant).
     torch_kernels = device.type == "cpu" and config.quant != "none" and cpu_quant.available()
     own_q4 = torch_kernels and config.quant == "nf4" and cpu_kernels.q4_linear() is not None
     dtype = resolve_dtype(config.dtype, device, own_q4)

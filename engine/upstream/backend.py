@@ -27,15 +27,14 @@ from engine.backend import ConfigFacts
 from engine.config import EngineConfig
 from engine.errors import EngineStopped, ModelLoadError, ServerBusy
 from engine.handle import RequestHandle
-from engine.kv_file import KVFile
-from engine.loader import local_tokenizer
+from engine.kv_file import KVExport, KVFile
 from engine.metrics import SERVED_TOP, EngineStats, Metrics, stream_stats
-from engine.resident import KVExport
-from engine.routing import Router, probe
+from engine.model.loader import local_tokenizer
 from engine.sequence import FinishReason, SamplingParams, check_prompt
 from engine.served import ServedTokens
-from engine.upstream_net import asyncio_transport
-from engine.upstream_stream import Outcome, cache_salt, completion_body, stream_turn
+from engine.upstream.net import asyncio_transport
+from engine.upstream.routing import Router, probe
+from engine.upstream.stream import Outcome, cache_salt, completion_body, stream_turn
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request and health check
@@ -237,7 +236,7 @@ class UpstreamBackend(ConfigFacts):
             fut.cancel()  # cancels the task; leaving `client.stream` closes the connection
 
     async def _make_client(self) -> httpx.AsyncClient:
-        # read=None: the first-token and idle timeouts are the turn's own (upstream_stream)
+        # read=None: the first-token and idle timeouts are the turn's own (upstream.stream)
         timeout = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         return httpx.AsyncClient(timeout=timeout, transport=asyncio_transport(limits))

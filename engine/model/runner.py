@@ -7,14 +7,15 @@ from typing import Protocol
 
 import torch
 
-from engine import attention, cpu_kernels
-from engine.attention import DecodeGroup, PrefillChunk, StepMetadata
-from engine.kv_cache import KVCache
-from engine.lean_llama import lean_forward
-from engine.lean_norm import fuse_norms
-from engine.loader import LoadedModel
-from engine.sampler import sample
-from engine.scheduler import StepPlan
+from engine.kernels import cpu_kernels
+from engine.model import attention
+from engine.model.attention import DecodeGroup, PrefillChunk, StepMetadata
+from engine.model.kv_cache import KVCache
+from engine.model.lean_llama import lean_forward
+from engine.model.lean_norm import fuse_norms
+from engine.model.loader import LoadedModel
+from engine.model.plan import StepPlan
+from engine.model.sampler import sample
 from engine.sequence import Sequence
 
 
@@ -76,10 +77,12 @@ class ModelRunner:
         self.device = loaded.device
         self.cache = cache
         self.model.set_attn_implementation(attention.IMPLEMENTATION)
-        fuse_norms(self.model)  # bitwise the same outputs, 1 op instead of 8 (engine.lean_norm)
-        # Llama-shaped decoders run as one flat function, bitwise the same (engine.lean_llama)
+        fuse_norms(
+            self.model
+        )  # bitwise the same outputs, 1 op instead of 8 (engine.model.lean_norm)
+        # Llama-shaped decoders run as one flat function, bitwise the same (engine.model.lean_llama)
         self.lean = lean_forward(self.model)
-        # decode attention straight from the pool's blocks on the CPU (engine.cpu_kernels)
+        # decode attention straight from the pool's blocks on the CPU (engine.kernels.cpu_kernels)
         self.decode_kernel = cpu_kernels.decode_attention() if self.device.type == "cpu" else None
         # and a short prefill chunk after cached tokens (a returning user's message)
         self.prefill_kernel = cpu_kernels.prefill_attention() if self.decode_kernel else None

@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from engine.block_pool import BlockPool
-from engine.fair_share import FcfsPolicy, SchedulePolicy
-from engine.resident import ResidentCache, ResidentKV, common_prefix
+from engine.core.block_pool import BlockPool
+from engine.core.fair_share import FcfsPolicy, SchedulePolicy
+from engine.core.resident import ResidentCache, ResidentKV, common_prefix
+from engine.model.plan import StepPlan
 from engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -19,32 +19,12 @@ MIN_PREFILL_CHUNK = 16  # prefill always progresses, even when decodes fill the 
 __all__ = ["MIN_PREFILL_CHUNK", "Scheduler", "StepPlan"]
 
 
-@dataclass
-class StepPlan:
-    """One step's work: decodes (one token each) first, then prefill chunks."""
-
-    decodes: list[Sequence] = field(default_factory=list)
-    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
-
-    @property
-    def sequences(self) -> list[Sequence]:
-        return self.decodes + [s for s, _ in self.prefills]
-
-    def __bool__(self) -> bool:
-        return bool(self.decodes or self.prefills)
-
-
 class Scheduler:
     """Owns the `waiting` and `running` queues; idle owners' KV lives in `resident`.
 
     Admission happens only when a request's prompt blocks fit; which waiting request goes
     next, in what order the prefill budget is shared and whom to preempt is the `policy`'s
-    (`engine.fair_share`: FCFS and the youngest, or fair share by served work per user, which
+    (`engine.core.fair_share`: FCFS and the youngest, or fair share by served work per user, which
     may also swap one running sequence for a waiting user a whole slot below its fair share
     of a full batch). When the pool is short it first evicts cached blocks nobody holds (a
     prompt shares the cached blocks its chain hashes find, `block_pool`), then calls the

@@ -6,7 +6,8 @@ from collections import deque
 
 import numpy as np
 
-from engine.scheduler import MIN_PREFILL_CHUNK, Scheduler, StepPlan
+from engine.core.scheduler import MIN_PREFILL_CHUNK, Scheduler
+from engine.model.plan import StepPlan
 
 
 def attention_work(plan: StepPlan) -> float:

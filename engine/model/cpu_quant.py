@@ -14,7 +14,7 @@ The kernels are fast with bfloat16 activations only (their float32 paths are sca
 activations are cast to bfloat16 around the matmul and back. Where compute is float32 (CPUs
 without native bfloat16, where PyTorch's int4 kernel widens its bf16 activations group by
 group) the 4-bit weights run on crowdchat's own kernel instead (`csrc/q4_linear.cpp`, built by
-engine.cpu_kernels), which rounds the same way and computes the same values to one bf16 ulp.
+engine.kernels.cpu_kernels), which rounds the same way and computes the same values to one bf16 ulp.
 On CPUs with AVX512-BF16 that kernel multiplies bfloat16 pairs (`vdpbf16ps`, twice the rate of
 float32 FMAs) from its own layout (`pack_for_dot`) and outruns every dense copy below, so none
 is kept there unless `--cpu-dense-above` asks for one.
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_kernels
+from engine.kernels import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,8 @@ class QuantLinear(nn.Module):
 
 class Int4Linear(QuantLinear):
     """y = x W^T with W in 4 bits, groups of 32 along K, each `(q - 8) * scale + zero`: on
-    PyTorch's int4 kernel, or with `own` (float32 compute) on crowdchat's (engine.cpu_kernels),
+    PyTorch's int4 kernel, or with `own` (float32 compute) on crowdchat's
+    (engine.kernels.cpu_kernels),
     1.2-1.9x faster a call on the 2-core AVX2 EPYC (README "Which kernel runs where"). With
     `q8` too, where the AVX512 kernel has AVX512-VNNI, x is rounded to int8 per group of 32
     (llama.cpp's Q8 activations) instead of bfloat16: ~1.9x faster at 8-32 rows."""
@@ -308,7 +309,7 @@ def quantize_model(
     """Replace the decoder's linears (int4 or int8 per `quant`) and the output projection
     (int8, or float16 beside float16 dense copies) in place; `activations` as
     `--cpu-activations`. Returns the kernels' name for the KV fingerprint and the admin page."""
-    from engine.fused_proj import fuse_projections  # it builds on this module's linears
+    from engine.model.fused_proj import fuse_projections  # it builds on this module's linears
 
     dense = dense_kind(model.dtype, dense_rows)
     # crowdchat's 4-bit kernel where compute is float32 (PyTorch's is fast on native bf16)
@@ -325,7 +326,7 @@ def quantize_model(
     def make(w: torch.Tensor, d: DenseKind | None) -> QuantLinear:
         return Int4Linear(w, None if dot else d, own, q8) if quant == "nf4" else Int8Linear(w, d)
 
-    # q/k/v and gate/up first, each group as one packed matrix (see engine.fused_proj)
+    # q/k/v and gate/up first, each group as one packed matrix (see engine.model.fused_proj)
     groups = fuse_projections(
         model,
         lambda w: make(w, dense),

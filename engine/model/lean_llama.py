@@ -4,7 +4,7 @@ A one-row decode step is mostly per-call overhead, not arithmetic (README "Which
 where"): transformers' Llama goes through ~13 modules and their decorators per layer (kwargs
 checks, output capture, mask building, `Module.__call__` hooks) and applies RoPE to q and k
 separately, about 4,000 ATen calls a step on the embedded model. This runs the same arithmetic,
-op for op, from the same weight tensors: the RMSNorms in one op as `engine.lean_norm` computes
+op for op, from the same weight tensors: the RMSNorms in one op as `engine.model.lean_norm` computes
 them, RoPE as transformers writes it (`x * cos + rotate_half(x) * sin`) on q and k at once, the
 engine's paged attention, the projections through the model's own (quantized) linear modules.
 Every float is computed the same way, so its logits equal the transformers path's bitwise
@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-from engine.attention import StepMetadata, paged_attention
-from engine.cpu_quant import Int4Linear
-from engine.fused_proj import ProjectionPart
-from engine.lean_norm import rms_norm
+from engine.model.attention import StepMetadata, paged_attention
+from engine.model.cpu_quant import Int4Linear
+from engine.model.fused_proj import ProjectionPart
+from engine.model.lean_norm import rms_norm
 
 ARCHITECTURES = {"LlamaForCausalLM"}
 Projections = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
@@ -52,14 +52,14 @@ class Layer:
     norm2: nn.Module
     gate_up: Projections
     down: nn.Module
-    # q/k/v (fused), o, gate/up (fused) and down on crowdchat's 4-bit kernel (engine.cpu_quant
+    # q/k/v (fused), o, gate/up (fused) and down on crowdchat's 4-bit kernel (engine.model.cpu_quant
     # `own`), for `_decodes`; None where one of them is not
     q4: tuple[Int4Linear, Int4Linear, Int4Linear, Int4Linear] | None
 
 
 def _projections(linears: list[nn.Module]) -> Projections:
     """One callable for sibling projections: the fused kernel call when they are parts of one
-    `FusedProjection` (engine.fused_proj), else each linear on its own."""
+    `FusedProjection` (engine.model.fused_proj), else each linear on its own."""
     parts = [m for m in linears if isinstance(m, ProjectionPart)]
     if len(parts) == len(linears) and len({id(p.fused) for p in parts}) == 1:
         return parts[0].fused.outputs
@@ -197,7 +197,7 @@ class LeanLlama:
         meta: StepMetadata,
     ) -> torch.Tensor:  # [T, C]
         """A step of decodes only, float32, on crowdchat's CPU kernels. Up to `q4_rows` rows
-        the step is one `crowdchat::decode_stack` call (`engine/csrc/decode_layer.cpp`: the
+        the step is one `crowdchat::decode_stack` call (`engine/kernels/csrc/decode_layer.cpp`: the
         kernels below called from C++ layer after layer, the rows split over the threads);
         above, ~14 Python calls a layer instead of the loop's
         ~50, the projections on their dense copies. The same ops on the same values as

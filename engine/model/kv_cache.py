@@ -9,11 +9,11 @@ import mmap
 import psutil
 import torch
 
-from engine import cpu_kernels
 from engine.config import EngineConfig
 from engine.errors import InvalidRequest, ModelLoadError
+from engine.kernels import cpu_kernels
 from engine.kv_file import KVFile, KVFileDamaged, check_crc32
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 

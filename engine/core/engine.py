@@ -1,7 +1,7 @@
 """The engine thread: owns the model, the KV pool and the scheduler; others talk to it by queue.
 
 Each step reads as what it is: schedule (`Scheduler`), run (the step runner), process
-(`OutputProcessor`). Messages from other threads are the typed ones in `engine.messages`.
+(`OutputProcessor`). Messages from other threads are the typed ones in `engine.core.messages`.
 """
 
 from __future__ import annotations
@@ -16,22 +16,22 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from engine.backend import ConfigFacts
-from engine.block_pool import BlockPool
-from engine.budget import TokenBudget
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.core.block_pool import BlockPool
+from engine.core.budget import TokenBudget
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.fair_share import make_policy
+from engine.core.messages import Call, Cancel, Message, Stop, Submit
+from engine.core.output import OutputProcessor, Request
+from engine.core.scheduler import Scheduler
 from engine.errors import EngineStopped, InvalidRequest, ServerBusy
-from engine.fair_share import make_policy
 from engine.handle import RequestHandle
-from engine.kv_cache import KVCache, bytes_per_token, pool_blocks
-from engine.kv_file import KVFile, read_kv_file
-from engine.loader import LoadedModel, dtype_name, load_model
-from engine.messages import Call, Cancel, Message, Stop, Submit
+from engine.kv_file import KVExport, KVFile, read_kv_file
 from engine.metrics import SERVED_TOP, EngineStats, Metrics, percentile
-from engine.model_runner import ModelRunner, RunnerFactory
-from engine.output import OutputProcessor, Request
-from engine.resident import KVExport
-from engine.scheduler import Scheduler, StepPlan
+from engine.model.kv_cache import KVCache, bytes_per_token, pool_blocks
+from engine.model.loader import LoadedModel, dtype_name, load_model
+from engine.model.plan import StepPlan
+from engine.model.runner import ModelRunner, RunnerFactory
 from engine.sequence import FinishReason, SamplingParams, Sequence, check_prompt
 from engine.threads import run_in_fresh_thread
 

@@ -7,21 +7,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.block_hash import extend_hashes
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
 from engine.errors import InvalidRequest
-from engine.kv_cache import KVCache
-
-
-@dataclass(frozen=True)
-class KVExport:
-    """An owner's resident KV copied to CPU: the token ids it covers, K and V `[L, T, H_kv, D]`."""
-
-    token_ids: list[int]
-    k: torch.Tensor
-    v: torch.Tensor
+from engine.kv_file import KVExport
+from engine.model.kv_cache import KVCache
 
 
 @dataclass

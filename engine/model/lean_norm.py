@@ -5,7 +5,8 @@ embedded model runs 61 RMSNorms a token, each written in transformers as cast, p
 rsqrt, mul, cast, mul. `torch.rms_norm` computes the same float32 formula in one call: its
 outputs equal transformers' bitwise (tests/test_lean_norm.py), so swapping it changes no result,
 including `generate` on the same model. Where compute is float32 on the CPU and crowdchat's
-kernels load, the op is `crowdchat::rms_norm` (`engine/csrc/rms_norm.cpp`): `torch.rms_norm` is
+kernels load, the op is `crowdchat::rms_norm` (`engine/kernels/csrc/rms_norm.cpp`):
+`torch.rms_norm` is
 itself ~10 ATen calls there (50-60 us a call for one row on the 2-core EPYC); that one makes
 only the sum of squares an ATen call and computes the rest as those calls round it, bitwise the
 same again.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine import cpu_kernels
+from engine.kernels import cpu_kernels
 
 # Classes whose forward is exactly Llama's: normalize in float32, cast back, scale by weight.
 LLAMA_STYLE = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}

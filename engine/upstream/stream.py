@@ -20,8 +20,8 @@ import orjson
 from engine.errors import CrowdchatError, InvalidRequest, PromptTooLong, ServerBusy
 from engine.handle import RequestHandle
 from engine.metrics import Metrics
-from engine.routing import Replica, Router
 from engine.sequence import FinishReason, SamplingParams
+from engine.upstream.routing import Replica, Router
 
 log = logging.getLogger(__name__)
 DRAIN_S = 0.5  # how long the end of a body may lag its `[DONE]` event

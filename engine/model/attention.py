@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from engine.cpu_kernels import Kernel
+from engine.kernels.cpu_kernels import Kernel
 
 IMPLEMENTATION = "crowdchat_paged"
 
@@ -55,7 +55,7 @@ class StepMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     decode_groups: list[DecodeGroup]  # the decodes come first in the row, in these groups
     prefills: list[PrefillChunk]
-    # the CPU kernel that reads decodes' K/V from their blocks (engine.cpu_kernels); None:
+    # the CPU kernel that reads decodes' K/V from their blocks (engine.kernels.cpu_kernels); None:
     # gather them (CUDA, or where it could not be built)
     decode_kernel: Kernel | None = None
     # its sibling for prefill chunks that carry `blocks`
