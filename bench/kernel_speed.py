@@ -47,8 +47,8 @@ MODES = {
     # the same without issue 9's cuts (q/k/v and gate/up fused, one-op RMSNorm): before/after
     # in one run
     "torch_int4_unfused": {"quant": "nf4", "unfused": True},
-    # decode steps through engine.model.lean_llama's general loop, not `_decodes` on crowdchat's
-    # glue
+    # decode steps through engine.model.lean_llama's general loop, not `_decodes` on
+    # crowdchat's glue
     # kernels (RoPE + K/V write, attention, projections called straight)
     "int4_layer_loop": {"quant": "nf4", "loop": True},
     # the default path through transformers' Llama code instead of engine.model.lean_llama

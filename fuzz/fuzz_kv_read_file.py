@@ -1,17 +1,18 @@
-"""Fuzz `torch.ops.crowdchat.kv_read_file` (engine/kernels/csrc/kv_copy.cpp), a disk restore's read
-of
-a snapshot's K or V straight into the KV pool, with fuzzed file bytes, offsets, token counts,
-slots, pools and CRCs: it raises RuntimeError (bad arguments) or ValueError (a bad file) or
+"""Fuzz `torch.ops.crowdchat.kv_read_file` (engine/kernels/csrc/kv_copy.cpp), a disk restore's
+read of a snapshot's K or V straight into the KV pool, with fuzzed file bytes, offsets, token
+counts, slots, pools and CRCs: it raises RuntimeError (bad arguments) or ValueError (a bad file) or
 returns zlib's CRC-32 of the bytes it read, having copied them, and only them, where the slots
 say; it never crashes, never writes outside the pool and never leaks a file descriptor.
 
-An input is `PARAMS`, then `n_slots` signed bytes (the slots), then the file's bytes. Run it on
-the sanitized build (as `make fuzz` does) to catch what the oracle cannot see:
+An input is `PARAMS`, then `n_slots` signed bytes (the slots), then the file's bytes. The
+sanitized build catches what the oracle cannot see, but under ASan's runtime libFuzzer gets no
+coverage (a blind run), so `make fuzz` fuzzes on the plain build and then replays every input
+it kept once on the sanitized one:
 
     CROWDCHAT_KERNEL_SANITIZE=1 ASAN_OPTIONS=detect_leaks=0 \\
         UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 LD_PRELOAD="$(gcc \\
         -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)" \\
-        .venv/bin/python fuzz/fuzz_kv_read_file.py -max_total_time=600
+        .venv/bin/python fuzz/fuzz_kv_read_file.py -runs=0 CORPUS_DIR fuzz/corpus/kv_read_file
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The CPU decode attention kernel (engine/kernels/csrc/paged_decode.cpp) against attention
-computed in
-float64 from the same blocks: seeded random shapes, pool dtypes, block tables and lengths
+computed in float64
+from the same blocks: seeded random shapes, pool dtypes, block tables and lengths
 (chunk edges included); a sequence's output does not depend on the rest of its batch; bad
 tables and lengths raise instead of reading outside the pool. Its prefill sibling: causal
 within float64 and bitwise the decode of each token. A restore's copy into the pool, from

@@ -115,10 +115,9 @@ def assert_rows(
 @pytest.mark.parametrize("seed", range(4))
 def test_crowdchat_int4_kernel_computes_what_torchs_does(seed: int) -> None:
     """engine/kernels/csrc/q4_linear.cpp against PyTorch's int4 kernel on the same quantized
-    weights:
-    within one bf16 ulp of each other (their sums run in different orders), at every row count
-    (it takes rows 4 or 8 at a time, in chunks of 64); each row's output is bitwise the same
-    alone or in any batch."""
+    weights: within one bf16 ulp of each other (their sums run in different orders), at every row
+    count (it takes rows 4 or 8 at a time, in chunks of 64); each row's output is bitwise the
+    same alone or in any batch."""
     assert cpu_kernels.load(), "make builds them: python engine/kernels/cpu_kernels.py"
     gen = torch.Generator().manual_seed(seed)
     n, k = [(96, 64), (208, 576), (576, 1536), (48, 32)][seed]
@@ -312,8 +311,8 @@ def test_the_default_cpu_model_runs_on_torch_int4_kernels(nf4_model: LoadedModel
     assert "Int4Linear" in kinds and "Linear4bit" not in kinds
     assert not any(type(m) is torch.nn.Linear for m in nf4_model.model.model.layers.modules())
     head = nf4_model.model.get_output_embeddings()
-    # crowdchat's own 4-bit kernel where compute is float32 (engine.kernels.cpu_kernels, built by
-    # make)
+    # crowdchat's own 4-bit kernel where compute is float32 (engine.kernels.cpu_kernels,
+    # built by make)
     own = nf4_model.dtype == torch.float32
     assert all(m.own == own for m in nf4_model.model.modules() if isinstance(m, Int4Linear))
     int4 = "crowdchat-int4g32" if own else "torch-int4g32"

@@ -1,8 +1,7 @@
 """Decode attention on the CPU reads each sequence's own blocks (engine.kernels.cpu_kernels); where
-it
-gathers instead (CUDA, no kernel) it groups decodes by context length, so one long conversation
-costs its own context. Either way the logits change by rounding only. A short prefill chunk
-after cached tokens attends on the CPU kernel too, as its gather path to rounding."""
+it gathers instead (CUDA, no kernel) it groups decodes by context length, so one long conversation
+costs its own context. Either way the logits change by rounding only. A short prefill chunk after
+cached tokens attends on the CPU kernel too, as its gather path to rounding."""
 
 from __future__ import annotations
 

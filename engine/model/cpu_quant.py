@@ -26,7 +26,7 @@ when the operator allows the memory (`--cpu-dense-above`), rounded the same way 
 native bfloat16) that copy is float16, packed for FBGEMM's fp16 GEMM
 (`quantized::linear_dynamic_fp16`, in PyTorch core: it widens the weights to float32 in
 registers, so it reads half the bytes of a float32 matmul and is 1.5-2.5x faster at 8-64 rows
-on the 2-core AVX2 EPYC; README "Which kernel runs where"). Every weight rounds to float16
+on the 2-core AVX2 EPYC; docs/PERFORMANCE.md). Every weight rounds to float16
 within 2**-11 of itself (relative), far below the bf16 rounding of the activations (2**-8). The
 output projection then runs on a float16 copy at every row count: there FBGEMM was faster than
 the int8 kernel even at one row."""
@@ -143,7 +143,7 @@ class Int4Linear(QuantLinear):
     """y = x W^T with W in 4 bits, groups of 32 along K, each `(q - 8) * scale + zero`: on
     PyTorch's int4 kernel, or with `own` (float32 compute) on crowdchat's
     (engine.kernels.cpu_kernels),
-    1.2-1.9x faster a call on the 2-core AVX2 EPYC (README "Which kernel runs where"). With
+    1.2-1.9x faster a call on the 2-core AVX2 EPYC (docs/PERFORMANCE.md). With
     `q8` too, where the AVX512 kernel has AVX512-VNNI, x is rounded to int8 per group of 32
     (llama.cpp's Q8 activations) instead of bfloat16: ~1.9x faster at 8-32 rows."""
 

@@ -1,13 +1,13 @@
 """Llama's forward as one flat function over the model's own weights: the same ops, fewer calls.
 
-A one-row decode step is mostly per-call overhead, not arithmetic (README "Which kernel runs
-where"): transformers' Llama goes through ~13 modules and their decorators per layer (kwargs
-checks, output capture, mask building, `Module.__call__` hooks) and applies RoPE to q and k
-separately, about 4,000 ATen calls a step on the embedded model. This runs the same arithmetic,
-op for op, from the same weight tensors: the RMSNorms in one op as `engine.model.lean_norm` computes
+A one-row decode step is mostly per-call overhead, not arithmetic (docs/PERFORMANCE.md, "Which
+kernel runs where"): transformers' Llama goes through ~13 modules and their decorators per layer
+(kwargs checks, output capture, mask building, `Module.__call__` hooks) and applies RoPE to q and k
+separately, about 4,000 ATen calls a step on the embedded model. This runs the same arithmetic, op
+for op, from the same weight tensors: the RMSNorms in one op as `engine.model.lean_norm` computes
 them, RoPE as transformers writes it (`x * cos + rotate_half(x) * sin`) on q and k at once, the
-engine's paged attention, the projections through the model's own (quantized) linear modules.
-Every float is computed the same way, so its logits equal the transformers path's bitwise
+engine's paged attention, the projections through the model's own (quantized) linear modules. Every
+float is computed the same way, so its logits equal the transformers path's bitwise
 (tests/test_lean_llama.py), and `generate` on the same model still gives the same tokens.
 
 Only decoders that are exactly Llama's shape take it (`lean_forward` returns None otherwise:

@@ -1,15 +1,13 @@
 """RMSNorm as one fused op instead of transformers' eight.
 
-A one-row decode step is mostly per-op overhead (see README "Which kernel runs where"): the
-embedded model runs 61 RMSNorms a token, each written in transformers as cast, pow, mean, add,
-rsqrt, mul, cast, mul. `torch.rms_norm` computes the same float32 formula in one call: its
-outputs equal transformers' bitwise (tests/test_lean_norm.py), so swapping it changes no result,
-including `generate` on the same model. Where compute is float32 on the CPU and crowdchat's
-kernels load, the op is `crowdchat::rms_norm` (`engine/kernels/csrc/rms_norm.cpp`):
-`torch.rms_norm` is
-itself ~10 ATen calls there (50-60 us a call for one row on the 2-core EPYC); that one makes
-only the sum of squares an ATen call and computes the rest as those calls round it, bitwise the
-same again.
+A one-row decode step is mostly per-op overhead (docs/PERFORMANCE.md, "Which kernel runs where"):
+the embedded model runs 61 RMSNorms a token, each written in transformers as cast, pow, mean, add,
+rsqrt, mul, cast, mul. `torch.rms_norm` computes the same float32 formula in one call: its outputs
+equal transformers' bitwise (tests/test_lean_norm.py), so swapping it changes no result, including
+`generate` on the same model. Where compute is float32 on the CPU and crowdchat's kernels load, the
+op is `crowdchat::rms_norm` (`engine/kernels/csrc/rms_norm.cpp`): `torch.rms_norm` is itself ~10
+ATen calls there (50-60 us a call for one row on the 2-core EPYC); that one makes only the sum of
+squares an ATen call and computes the rest as those calls round it, bitwise the same again.
 """
 
 from __future__ import annotations

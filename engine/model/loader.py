@@ -138,7 +138,7 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, cpu_kernels: bool) -> torch.
     projection's
     output to bfloat16, so V is bfloat16 already and K differs from it only by RoPE: a bfloat16
     pool stores V exactly, holds twice the tokens of a float32 one, and a decode step reads half
-    the bytes gathering context (README "Which kernel runs where").
+    the bytes gathering context (docs/PERFORMANCE.md).
     """
     if name != "auto":
         return DTYPES[name]
