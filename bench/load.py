@@ -54,14 +54,18 @@ def free_port() -> int:
 PROXY_ARGS = ["--trusted-proxy", "127.0.0.1"]
 
 
+def client_address(name: str) -> str:
+    """An address of client `name`'s own, in 198.18.0.0/15 (RFC 2544's range for benchmarks)."""
+    n = int.from_bytes(hashlib.sha256(name.encode()).digest()[:2], "big")
+    return f"198.18.{n >> 8}.{n & 255}"
+
+
 def client_headers(key: str) -> dict[str, str]:
-    """Bench user `key`'s headers: its bearer, and an address of its own in 198.18.0.0/15
-    (RFC 2544's range for benchmarks) as a proxy would forward it. In crowdchat's open API a
-    client is its address, and the bench's users stand for different clients: a crowdchat
-    started with PROXY_ARGS (as `Server` and peers.py start it) believes the header; other
-    servers ignore it."""
-    n = int.from_bytes(hashlib.sha256(key.encode()).digest()[:2], "big")
-    return {"Authorization": f"Bearer {key}", "X-Forwarded-For": f"198.18.{n >> 8}.{n & 255}"}
+    """Bench user `key`'s headers: its bearer, and its `client_address` as a proxy would
+    forward it. In crowdchat's open API a client is its address, and the bench's users stand
+    for different clients: a crowdchat started with PROXY_ARGS (as `Server` and peers.py start
+    it) believes the header; other servers ignore it."""
+    return {"Authorization": f"Bearer {key}", "X-Forwarded-For": client_address(key)}
 
 
 class Server:

@@ -19,6 +19,18 @@ import atheris
 
 ROOT = Path(__file__).resolve().parent.parent
 SEEDS = ROOT / "fuzz" / "corpus"
+# what the seeds were made with (fuzz/make_corpus.py) and the fuzzers check them against: the
+# cookie-signing key, and the fingerprint of a model of 2 layers, 3 KV heads of 4 values
+SEED_KEY = "5eed" * 16
+SEED_FINGERPRINT = {
+    "model_id": "fuzz",
+    "weights_hash": "0123abcd",
+    "dtype": "bfloat16",
+    "block_size": 16,
+    "num_layers": 2,
+    "num_kv_heads": 3,
+    "head_dim": 4,
+}
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -17,7 +17,7 @@ import atheris
 with atheris.instrument_imports(include=["doors.browser_id"]):
     from doors.browser_id import ID, BrowserIds
 
-KEY = "5eed" * 16  # the key the seed cookies were signed with (fuzz/make_corpus.py)
+KEY = _harness.SEED_KEY  # the key the seed cookies were signed with (fuzz/make_corpus.py)
 IDS = BrowserIds(KEY, per_minute=1)
 
 

@@ -24,17 +24,7 @@ with atheris.instrument_imports(include=["sessions.snapshots", "engine.kv_file"]
     from engine.kv_file import kv_crc32
     from sessions.snapshots import DAMAGED_FILE_ERRORS, SnapshotFiles, _header
 
-# the fingerprint the seeds were written with (fuzz/make_corpus.py): a model of 2 layers,
-# 3 KV heads of 4 values
-FINGERPRINT = {
-    "model_id": "fuzz",
-    "weights_hash": "0123abcd",
-    "dtype": "bfloat16",
-    "block_size": 16,
-    "num_layers": 2,
-    "num_kv_heads": 3,
-    "head_dim": 4,
-}
+FINGERPRINT = _harness.SEED_FINGERPRINT  # the seeds' (fuzz/make_corpus.py)
 SESSION = "s"
 
 logging.disable(logging.WARNING)  # every damaged file logs one; millions of them, here

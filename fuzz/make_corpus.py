@@ -19,16 +19,7 @@ import torch
 from doors.browser_id import BrowserIds
 from sessions.snapshots import SnapshotFiles
 
-FINGERPRINT = {  # fuzz_snapshot_header.FINGERPRINT (not imported: that would instrument)
-    "model_id": "fuzz",
-    "weights_hash": "0123abcd",
-    "dtype": "bfloat16",
-    "block_size": 16,
-    "num_layers": 2,
-    "num_kv_heads": 3,
-    "head_dim": 4,
-}
-KEY = "5eed" * 16  # fuzz_browser_id.KEY
+FINGERPRINT, KEY = _harness.SEED_FINGERPRINT, _harness.SEED_KEY
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fuzz_kv_read_file.DTYPES' first
 POOL_SLOTS, BLOCK = 16, 4  # the seeds' pool: 4 blocks of 4 slots
 

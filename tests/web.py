@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import socket
 import threading
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 import uvicorn
 
 from app import AppConfig, build_app
+from bench.load import client_address
 from engine.model.loader import LoadedModel
 from tests.conftest import close_sessions, make_sessions
 
@@ -21,11 +21,10 @@ PROXY = "127.0.0.1"  # trusted_proxy=PROXY: the suite's clients come through a p
 
 
 def client_at(name: str) -> dict[str, str]:
-    """The headers of API client `name` at an address of its own (in 198.18.0.0/15, the
-    range for benchmarks), forwarded by the proxy of a server started with
-    `trusted_proxy=PROXY`: in the open API a client is its address."""
-    n = int.from_bytes(hashlib.sha256(name.encode()).digest()[:2], "big")
-    return {"X-Forwarded-For": f"198.18.{n >> 8}.{n & 255}"}
+    """The headers of API client `name` at an address of its own (bench.load's
+    `client_address`), forwarded by the proxy of a server started with `trusted_proxy=PROXY`:
+    in the open API a client is its address."""
+    return {"X-Forwarded-For": client_address(name)}
 
 
 def free_port() -> int:
