@@ -50,102 +50,21 @@ from gradio_client import Client
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.crash_checks import (  # noqa: E402
+    Ack,
+    Db,
+    lost_acks,
+    lying_states,
+    read_db,
+    snapshot_mismatch,
+    transcript,
+)
 from bench.load import QUESTIONS, ROOT, ReplyCount, free_port, stream_body  # noqa: E402
 from bench.mixed import cpu_name  # noqa: E402
-from sessions.branches import active_path  # noqa: E402
-from sessions.snapshots import SUFFIX, TEMP_SUFFIX  # noqa: E402
 
 EXACT = ["--quant", "none", "--dtype", "float32"]  # where restored == recomputed, bitwise
 # small and quick: idle KV goes to disk within the run, a small pool makes evictions happen
 FAST = "--idle-seconds 2 --max-tokens-per-turn 24 --kv-budget-mb 256 --tokens-per-minute 0"
-
-
-@dataclass(frozen=True)
-class Ack:
-    """Something the server acknowledged: a session ('session'), a user message whose turn got
-    its 200 ('user'), or a finished reply ('assistant') to the user message `after`."""
-
-    sid: str
-    role: str
-    content: str = ""
-    after: str | None = None
-
-
-@dataclass
-class Db:
-    """What crowdchat.db holds, read once."""
-
-    sessions: dict[str, dict]
-    messages: dict[str, list[dict]]  # session id -> rows in id order
-    snapshots: dict[str, dict]  # session id -> snapshot row
-
-
-def read_db(path: Path) -> Db:
-    """Read crowdchat.db read-only (the server may be running: WAL readers do not block it)."""
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    db.row_factory = sqlite3.Row
-    try:
-        sessions = {r["id"]: dict(r) for r in db.execute("SELECT * FROM sessions")}
-        messages: dict[str, list[dict]] = {}
-        for r in db.execute("SELECT * FROM messages ORDER BY id"):
-            messages.setdefault(r["session_id"], []).append(dict(r))
-        snapshots = {r["session_id"]: dict(r) for r in db.execute("SELECT * FROM snapshots")}
-    finally:
-        db.close()
-    return Db(sessions, messages, snapshots)
-
-
-def lost_acks(db: Db, acks: list[Ack]) -> list[Ack]:
-    """The acknowledged things SQLite does not hold (a reply: not as its message's child)."""
-    users, replies = set(), set()
-    for sid, rows in db.messages.items():
-        text = {r["id"]: r["content"] for r in rows}
-        for r in rows:
-            if r["role"] == "user":
-                users.add((sid, r["content"]))
-            else:
-                replies.add((sid, r["content"], text.get(r["parent_id"])))
-    return [
-        a
-        for a in acks
-        if a.sid not in db.sessions
-        or (a.role == "user" and (a.sid, a.content) not in users)
-        or (a.role == "assistant" and (a.sid, a.content, a.after) not in replies)
-    ]
-
-
-def snapshot_mismatch(data: Path, db: Db) -> dict[str, list[str]]:
-    """Snapshot files without a row, rows without their file, temp files left over."""
-    directory = data / "snapshots"
-    files = {p.name[: -len(SUFFIX)] for p in directory.glob("*" + SUFFIX)}
-    return {
-        "files_without_row": sorted(files - db.snapshots.keys()),
-        "rows_without_file": sorted(
-            sid
-            for sid, row in db.snapshots.items()
-            if sid not in files or not Path(row["path"]).is_file()
-        ),
-        "temp_files": sorted(p.name for p in directory.glob("*" + TEMP_SUFFIX)),
-    }
-
-
-def lying_states(db: Db) -> list[str]:
-    """Right after a start: sessions said to be resident/active (nothing is), or persisted
-    without a snapshot row."""
-    return sorted(
-        sid
-        for sid, s in db.sessions.items()
-        if s["state"] in ("active", "resident")
-        or (s["state"] == "persisted" and sid not in db.snapshots)
-    )
-
-
-def transcript(db: Db, sid: str) -> list[dict[str, str]]:
-    """The session's conversation as the model sees it: its system prompt, the active path."""
-    system = db.sessions[sid].get("system_prompt") or ""
-    path = active_path(db.messages.get(sid, []))
-    head = [{"role": "system", "content": system}] if system else []
-    return head + [{"role": m["role"], "content": m["content"]} for m in path]
 
 
 @dataclass

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from sqlite_utils import Database
 
-from bench.crash_load import Ack, lost_acks, lying_states, read_db, snapshot_mismatch, transcript
+from bench.crash_checks import Ack, lost_acks, lying_states, read_db, snapshot_mismatch, transcript
 from sessions.migrations import migrate
 
 
