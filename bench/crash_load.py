@@ -12,13 +12,17 @@ data dir. After each restart, before the load resumes, it checks that:
   ended (finish chunk and [DONE]: the commit comes before them), as a child of its message;
 - snapshot files and rows match one for one and no temp file outlived the start-up sweep;
   no session is recorded `persisted` without a snapshot row, or `active`/`resident`;
-- restored sessions continue byte-exact: for `--exact-per-restart` sessions with a snapshot,
-  a greedy turn over the session (it must come back from `disk`) is compared with a greedy
-  one-off request of the same transcript by another key (nothing of the session's KV is
-  cached for it: a recompute). This reference is exact only where a continuation on restored
-  KV equals a recompute bitwise, which the project promises (and tests) in float32 without
-  quantization, batched or not: hence `--quant none --dtype float32` by default. A control
-  pair on a session whose KV stayed resident (no crash in between) checks the method itself.
+- restored sessions continue as a recompute would: for `--exact-per-restart` sessions with a
+  snapshot, a greedy turn over the session (it must come back from `disk`) is compared with a
+  greedy one-off request of the same transcript by another key (nothing of the session's KV
+  is cached for it: a recompute). In float32 without quantization (`--quant none --dtype
+  float32`, the default here) the two are equal token for token except where the model's two
+  best next tokens lie within float32 rounding noise of each other: the prompt's tokens are
+  computed in other row counts, and the CPU's float32 matmul rounds differently below and
+  above 16 rows. After the run each miss is judged against a float64 recompute
+  (bench/near_tie.py); only one that leaves the float64 path at a clear margin fails. A
+  control pair on a session whose KV stayed resident (no crash in between) checks the method
+  itself.
 
 Prints one JSON line per restart, then a summary; exits 1 if any invariant failed.
 """
@@ -61,8 +65,9 @@ from bench.crash_checks import (  # noqa: E402
 )
 from bench.load import QUESTIONS, ROOT, ReplyCount, free_port, stream_body  # noqa: E402
 from bench.mixed import cpu_name  # noqa: E402
+from bench.near_tie import judge_misses, near_tie  # noqa: E402
 
-EXACT = ["--quant", "none", "--dtype", "float32"]  # where restored == recomputed, bitwise
+EXACT = ["--quant", "none", "--dtype", "float32"]  # restored == recomputed but at near ties
 # small and quick: idle KV goes to disk within the run, a small pool makes evictions happen
 FAST = "--idle-seconds 2 --max-tokens-per-turn 24 --kv-budget-mb 256 --tokens-per-minute 0"
 
@@ -270,7 +275,15 @@ async def continue_exactly(
         greedy(http, {"Authorization": f"Bearer {ref}"}, [*convo, turn], n),
     )
     t.add(Ack(sid, "user", probe), Ack(sid, "assistant", mine, after=probe))
-    return {"sid": sid, "kv": kv, "same": mine == theirs, "session": mine, "recompute": theirs}
+    return {
+        "sid": sid,
+        "kv": kv,
+        "same": mine == theirs,
+        "session": mine,
+        "recompute": theirs,
+        "messages": [*convo, turn],
+        "n": n,
+    }
 
 
 async def check(crowd: Crowd, data: Path, ref: str, rng: random.Random, cycle: int) -> dict:
@@ -298,6 +311,12 @@ async def check(crowd: Crowd, data: Path, ref: str, rng: random.Random, cycle: i
                 http, again, sid, t.api_sessions[sid], ref, probe, 16, t
             )
     return out
+
+
+def judge(args: argparse.Namespace, r: Run, data: Path) -> None:
+    """A verdict for each continuation that differs from its recompute (bench/near_tie.py)."""
+    misses = [e for c in r.cycles for e in [*c["exact"], c.get("control")] if e and not e["same"]]
+    judge_misses(args.server_args, misses, data)
 
 
 def left_by_kill(data: Path) -> dict[str, int]:
@@ -427,6 +446,11 @@ INVARIANTS = (
 )
 
 
+def detail(e: dict) -> dict:
+    """A miss as the summary shows it: the replies and the verdict, not the transcript."""
+    return {k: v for k, v in e.items() if k != "messages"}
+
+
 def summarize(args: argparse.Namespace, r: Run, t: Tally, server_log: str) -> dict:
     """The run's JSON summary; `failed` names every invariant that did not hold."""
     exact = [e for c in r.cycles for e in c["exact"]]
@@ -467,11 +491,13 @@ def summarize(args: argparse.Namespace, r: Run, t: Tally, server_log: str) -> di
         "lying_states": sum(len(c["lying_states"]) for c in r.cycles),
         "after_clean_stop": {k: len(v) for k, v in r.after_stop.items()},
         "byte_exact_checked": len(restored),
-        "byte_exact_failed": sum(not e["same"] for e in restored),
+        "byte_exact_near_tie": sum(near_tie(e) for e in restored),
+        "byte_exact_failed": sum(not e["same"] and not near_tie(e) for e in restored),
         "snapshot_not_restored": dict(Counter(str(e["kv"]) for e in exact if e["kv"] != "disk")),
         "control_checked": len(controls),
-        "control_failed": sum(not c["same"] for c in controls),
-        "failures_detail": [e for e in exact + controls if not e["same"]][:3],
+        "control_near_tie": sum(near_tie(c) for c in controls),
+        "control_failed": sum(not c["same"] and not near_tie(c) for c in controls),
+        "failures_detail": [detail(e) for e in exact + controls if not e["same"]][:5],
         "start_s_median": round(statistics.median(r.starts), 1),
         "start_s_max": round(max(r.starts), 1),
         "wall_s": round(r.wall_s, 1),
@@ -508,6 +534,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         r, tally = asyncio.run(run(args, work))
+        judge(args, r, work / "data")
         summary = summarize(args, r, tally, (work / "server.log").read_text(errors="replace"))
     finally:
         if not args.keep:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -102,3 +103,38 @@ def classify(
         "float32_noise": noise,
         "reference": texts[n],
     }
+
+
+def _last(words: list[str], flag: str, default: str | None) -> str | None:
+    """A flag's value as argparse reads it (the last one wins)."""
+    at = [i for i, w in enumerate(words[:-1]) if w == flag]
+    return words[at[-1] + 1] if at else default
+
+
+def judge_misses(server_args: str, misses: list[dict], data_dir: Path) -> None:
+    """Give each miss (a dict with `messages`, `session`, `recompute`, `n`) its `verdict`.
+
+    Only the float32 configuration without quantization can be judged against float64: under
+    any other server arguments every miss is a difference."""
+    words = server_args.split()
+    exact = (_last(words, "--quant", "nf4"), _last(words, "--dtype", "auto")) == (
+        "none",
+        "float32",
+    ) and _last(words, "--kv-dtype", "auto") in ("auto", "float32")
+    if not exact:
+        for e in misses:
+            e["verdict"] = {"verdict": "differs", "why": "not the float32 configuration"}
+        return
+    if not misses:
+        return
+    config = EngineConfig(
+        model=_last(words, "--model", None), data_dir=data_dir, quant="none", dtype="float32"
+    )
+    ref = Reference.load(config)
+    for e in misses:
+        e["verdict"] = classify(ref, e["messages"], (e["session"], e["recompute"]), e["n"])
+
+
+def near_tie(miss: dict) -> bool:
+    """A miss that parts from the float64 path only at a near tie (or not at all)."""
+    return miss.get("verdict", {}).get("verdict") in ("near_tie", "same_path")

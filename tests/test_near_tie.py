@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.near_tie import TIE_NOISE, Reference, classify, greedy_path
+from bench.near_tie import TIE_NOISE, Reference, classify, greedy_path, judge_misses, near_tie
 from engine import EngineConfig
 
 MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -36,3 +36,21 @@ def test_a_reply_that_leaves_the_path_at_a_clear_margin_differs(ref: Reference) 
     assert result["verdict"] == "differs" and result["step"] == step
     assert result["margin"] > TIE_NOISE * result["float32_noise"]
     assert 0 < result["float32_noise"] < 1e-2  # float32 and float64 agree to rounding
+
+
+def test_misses_under_a_quantized_configuration_are_differences_unjudged(tmp_path: Path) -> None:
+    miss = {"messages": MESSAGES, "session": "a", "recompute": "b", "n": N}
+    judge_misses("--quant nf4 --idle-seconds 2", [miss], tmp_path)
+    assert miss["verdict"]["verdict"] == "differs" and not near_tie(miss)
+
+
+def test_misses_under_float32_are_judged_against_float64(ref: Reference, model_dir: Path) -> None:
+    _, path, _ = greedy_path(ref, MESSAGES, N)
+    whole = ref.tokenizer.decode(path)
+    misses = [
+        {"messages": MESSAGES, "session": whole, "recompute": whole + "!", "n": N},
+        {"messages": MESSAGES, "session": whole, "recompute": "zebra", "n": N},
+    ]
+    judge_misses("--quant nf4 --quant none --dtype float32", misses, model_dir)
+    assert [near_tie(m) for m in misses] == [True, False]
+    assert misses[1]["verdict"]["step"] == 0  # "zebra" is not the first token's text
