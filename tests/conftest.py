@@ -31,7 +31,7 @@ def nf4_model(model_dir: Path) -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def fp32_model(model_dir: Path) -> LoadedModel:
-    """The embedded model unquantized in float32, where batching must change nothing."""
+    """The embedded model unquantized in float32, where batching changes nothing but near ties."""
     return load_model(EngineConfig(data_dir=model_dir, quant="none", dtype="float32"))
 
 
