@@ -127,6 +127,22 @@ class Metrics:
         self.max_batch = 0
         self.admissions: deque[float] = deque()
 
+    def served(self, now: float) -> dict[str, float | int | None]:
+        """The `EngineStats` fields every backend counts: rate, totals, latencies, outcomes
+        (the caller holds `lock`)."""
+        return {
+            "tokens_per_s": self.tokens_per_s(now),
+            "prompt_tokens_total": self.prompt_tokens,
+            "generated_tokens_total": self.generated_tokens,
+            "ttft_p50_s": percentile(self.ttft, 50),
+            "ttft_p95_s": percentile(self.ttft, 95),
+            "itl_p50_s": percentile(self.itl, 50),
+            "itl_p95_s": percentile(self.itl, 95),
+            "requests_finished": self.finished,
+            "requests_failed": self.failed,
+            "requests_rejected": self.rejected,
+        }
+
     def record_admission(self, now: float) -> None:
         with self.lock:
             self.admissions.append(now)
@@ -209,17 +225,8 @@ def stream_stats(m: Metrics, **facts: object) -> EngineStats:
     with m.lock:
         return EngineStats(  # type: ignore[arg-type]
             **dict.fromkeys(NO_POOL, 0),
-            tokens_per_s=m.tokens_per_s(now),
-            prompt_tokens_total=m.prompt_tokens,
-            generated_tokens_total=m.generated_tokens,
-            ttft_p50_s=percentile(m.ttft, 50),
-            ttft_p95_s=percentile(m.ttft, 95),
-            itl_p50_s=percentile(m.itl, 50),
-            itl_p95_s=percentile(m.itl, 95),
+            **m.served(now),
             step_ms_p50=None,
-            requests_finished=m.finished,
-            requests_failed=m.failed,
-            requests_rejected=m.rejected,
             schedule="upstream",
             **facts,
         )

@@ -2,6 +2,9 @@
 
 Each step reads as what it is: schedule (`Scheduler`), run (the step runner), process
 (`OutputProcessor`). Messages from other threads are the typed ones in `engine.core.messages`.
+`Engine` is built of three parts: this module (construction, `submit`, the facts and gauges
+any thread reads), `engine.core.loop` (the thread itself) and `engine.core.kv_calls` (resident
+KV in and out of the pool for the session layer).
 """
 
 from __future__ import annotations
@@ -12,8 +15,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import TypeVar
 
 from engine.backend import ConfigFacts
 from engine.config import EngineConfig
@@ -21,26 +22,24 @@ from engine.core.block_pool import BlockPool
 from engine.core.budget import TokenBudget
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.fair_share import make_policy
-from engine.core.messages import Call, Cancel, Message, Stop, Submit
+from engine.core.kv_calls import ResidentKVCalls
+from engine.core.loop import EngineLoop
+from engine.core.messages import Message, Stop, Submit
 from engine.core.output import OutputProcessor, Request
 from engine.core.scheduler import Scheduler
 from engine.errors import EngineStopped, InvalidRequest, ServerBusy
 from engine.handle import RequestHandle
-from engine.kv_file import KVExport, KVFile, read_kv_file
 from engine.metrics import SERVED_TOP, EngineStats, Metrics, percentile
 from engine.model.kv_cache import KVCache, bytes_per_token, pool_blocks
 from engine.model.loader import LoadedModel, dtype_name, load_model
-from engine.model.plan import StepPlan
 from engine.model.runner import ModelRunner, RunnerFactory
-from engine.sequence import FinishReason, SamplingParams, Sequence, check_prompt
+from engine.sequence import SamplingParams, Sequence, check_prompt
 from engine.threads import run_in_fresh_thread
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-IDLE_WAIT_S = 0.5
 
 
-class Engine(ConfigFacts):
+class Engine(ResidentKVCalls, EngineLoop, ConfigFacts):
     """One model, one KV pool, one background thread doing continuous batching.
 
     Thread-safe: `submit`, `cancel` (through the handle), `stats`, the resident-KV calls and
@@ -218,18 +217,9 @@ class Engine(ConfigFacts):
                 kv_bytes_per_token=self.kv_bytes_per_token,
                 model_bytes=self.loaded.model_bytes,
                 max_model_len=self.max_model_len,
-                tokens_per_s=m.tokens_per_s(now),
-                prompt_tokens_total=m.prompt_tokens,
-                generated_tokens_total=m.generated_tokens,
-                ttft_p50_s=percentile(m.ttft, 50),
-                ttft_p95_s=percentile(m.ttft, 95),
-                itl_p50_s=percentile(m.itl, 50),
-                itl_p95_s=percentile(m.itl, 95),
+                **m.served(now),
                 step_ms_p50=percentile(m.step_ms, 50),
                 token_budget=self.budget.last,
-                requests_finished=m.finished,
-                requests_failed=m.failed,
-                requests_rejected=m.rejected,
                 preemptions=self.scheduler.num_preemptions,
                 resident_dropped=self.scheduler.num_resident_dropped,
                 steps=m.steps,
@@ -266,67 +256,6 @@ class Engine(ConfigFacts):
         before anyone has to wait. It must not block on other threads' locks."""
         self.scheduler.memory_pressure = hook
 
-    def export_kv(self, owner: str) -> KVExport | None:
-        """Copy an owner's resident KV to CPU (None if it has none)."""
-        return self._call(lambda: self.scheduler.resident.export(owner, self.cache))
-
-    def import_kv(
-        self, owner: str, kv: KVExport, cache_ns: str | None = None, shareable_prefix: int = 0
-    ) -> bool:
-        """Make exported KV resident for `owner` again; False if the pool cannot hold it.
-        Leading blocks the prefix cache holds (as `submit` keys them) are shared, not loaded.
-        Raises InvalidRequest if its shape does not fit this model."""
-        sched = self.scheduler
-        reclaim = lambda need: sched.reclaim(need, keep_owner=owner)  # noqa: E731
-        return self._call(
-            lambda: sched.resident.load(
-                owner, kv, self.cache, reclaim, cache_ns, max(0, shareable_prefix)
-            )
-        )
-
-    def import_kv_file(
-        self, owner: str, kv: KVFile, cache_ns: str | None = None, shareable_prefix: int = 0
-    ) -> bool:
-        """`import_kv` of KV stored in a file; False if the pool cannot hold it. On a CPU pool
-        the file is read on the calling thread straight into blocks the engine thread sets
-        aside, so no step waits for the disk. Raises KVFileDamaged for a short, unreadable or
-        corrupted file, InvalidRequest as `import_kv`."""
-        _, layers, heads, _, dim = self.cache.data.shape
-        if kv.shape != (layers, len(kv.token_ids), heads, dim):
-            raise InvalidRequest(f"KV of shape {kv.shape} does not fit this model")
-        if not self.cache.reads_files(kv):  # read here, copied into the pool by the engine
-            k, v = read_kv_file(kv)
-            return self.import_kv(owner, KVExport(kv.token_ids, k, v), cache_ns, shareable_prefix)
-        sched = self.scheduler
-        reclaim = lambda need: sched.reclaim(need, keep_owner=owner)  # noqa: E731
-        res = self._call(
-            lambda: sched.resident.reserve(
-                owner, kv.token_ids, reclaim, cache_ns, max(0, shareable_prefix)
-            )
-        )
-        if res is None:
-            return False
-        loaded = False
-        try:
-            self.cache.load_file(res.block_table, kv, res.start)
-            loaded = True
-        finally:
-            resident = self._call(lambda: sched.resident.finish(res, loaded))
-        return resident
-
-    def drop_kv(self, owner: str) -> bool:
-        """Free an owner's resident KV; True if it had any."""
-        return self._call(lambda: self.scheduler.resident.drop(owner))
-
-    def reset_prefix_cache(self) -> int:
-        """Forget the KV of every cached block nobody holds (benchmarks measure cold turns
-        with it); returns how many blocks were forgotten."""
-        return self._call(self.scheduler.pool.forget_cached)
-
-    def resident_kv(self) -> dict[str, tuple[int, int, float]]:
-        """owner -> (tokens, blocks, seconds idle) of every resident KV."""
-        return self._call(self.scheduler.resident.summary)
-
     def check_integrity(self) -> None:
         """Assert exact block accounting (runs on the engine thread)."""
         self._call(self.scheduler.check_integrity)
@@ -337,118 +266,3 @@ class Engine(ConfigFacts):
             self._stopping = True
             self._inbox.put(Stop())
         self._thread.join(timeout)
-
-    # -- internals ----------------------------------------------------------------------
-    def _call(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the engine thread and return its result (on the caller's thread once
-        the engine thread has ended: then nothing else touches the pool)."""
-        if threading.current_thread() is self._thread:
-            return fn()
-        fut: Future[T] = Future()
-        with self._lock:
-            closed = self._inbox_closed
-            if not closed:
-                self._inbox.put(Call(fn, fut))
-        return fn() if closed else fut.result()
-
-    def _cancel(self, seq_id: int) -> None:
-        self._inbox.put(Cancel(seq_id))
-
-    def _left_queue(self) -> None:
-        with self._lock:
-            self._pending -= 1
-
-    def _handle(self, msg: Message) -> None:
-        match msg:
-            case Submit(request):
-                self.output.add(request)
-            case Cancel(seq_id):
-                self.output.cancel(seq_id)
-            case Call(fn, future):
-                try:
-                    future.set_result(fn())
-                except BaseException as e:  # noqa: BLE001 - handed back to the caller
-                    future.set_exception(e)
-            case Stop():
-                self._stopping = True
-
-    def _drain(self, block: bool) -> None:
-        try:
-            msg = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        self._handle(msg)
-        while True:
-            try:
-                self._handle(self._inbox.get_nowait())
-            except queue.Empty:
-                return
-
-    def _loop(self) -> None:
-        reason = "the server is shutting down"
-        try:
-            while not self._stopping:
-                self._drain(block=not self.scheduler.has_work())
-                if not self._stopping and self.scheduler.has_work():
-                    self._step()
-                self._publish()
-        except BaseException as e:  # noqa: BLE001 - nobody would wait forever: fail them all
-            log.critical("the engine thread failed; refusing new work", exc_info=e)
-            reason = f"the engine failed ({type(e).__name__}: {e}); the server must restart"
-            with self._lock:
-                self._failure = reason
-        finally:
-            with self._lock:  # from here on submit() refuses and _call() runs on its caller
-                self._stopping = True
-                self._inbox_closed = True
-            self.output.fail_all(reason)
-            while True:  # answer what raced with the end: calls run, requests fail
-                try:
-                    msg = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                match msg:
-                    case Call():
-                        self._handle(msg)
-                    case Submit(request):
-                        request.handle._finish(FinishReason.ERROR, reason)
-            self._publish()
-
-    def _step(self) -> None:
-        """Schedule, run, process."""
-        plan = self.scheduler.schedule(self.budget.next(self.scheduler))
-        self.output.count_admitted()
-        if not plan:
-            self._drain(block=True)  # nothing fits: wait for a cancel or a release
-            return
-        t0 = time.perf_counter()
-        next_tokens = self._run(plan)
-        if next_tokens is None:
-            return
-        ms = (time.perf_counter() - t0) * 1000
-        self.budget.record(plan, ms)
-        now = time.monotonic()
-        self.output.process(plan, next_tokens, now)
-        self.metrics.record_step(
-            now,
-            ms,
-            len(plan.decodes) + len(plan.prefills),
-            len(next_tokens),
-            sum(n for _, n in plan.prefills),
-        )
-
-    def _run(self, plan: StepPlan) -> dict[Sequence, int] | None:
-        """The runner's next tokens, or None when the step failed (and with it its requests)."""
-        try:
-            return self.runner.run(plan)
-        except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
-            log.exception("model step failed; failing its %d requests", len(plan.sequences))
-            self.output.fail(plan.sequences, f"generation failed: {e}")
-            return None
-
-    def _publish(self) -> None:
-        sched = self.scheduler
-        self.gauges = (len(sched.running), len(sched.resident), sched.resident.num_blocks)
-        order = sched.policy.admission_order(sched.waiting) if sched.waiting else []
-        self._queue_positions = {s.seq_id: i for i, s in enumerate(order)}
-        self._running_ids = frozenset(s.seq_id for s in sched.running)

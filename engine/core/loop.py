@@ -1,0 +1,163 @@
+"""The engine thread's side of `Engine`: its loop, the inbox it drains, one step.
+
+Everything here runs on the engine thread, except `_call`, `_cancel` and `_left_queue`, which
+other threads use to reach it. `Engine` (engine.core.engine) sets the attributes declared
+below before it starts the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+from engine.core.budget import TokenBudget
+from engine.core.messages import Call, Cancel, Message, Stop, Submit
+from engine.core.output import OutputProcessor
+from engine.core.scheduler import Scheduler
+from engine.metrics import Metrics
+from engine.model.plan import StepPlan
+from engine.model.runner import ModelRunner
+from engine.sequence import FinishReason, Sequence
+
+log = logging.getLogger("engine.core.engine")
+T = TypeVar("T")
+IDLE_WAIT_S = 0.5
+
+
+class EngineLoop:
+    """Continuous batching on one thread: drain the inbox, schedule, run, process, publish."""
+
+    scheduler: Scheduler
+    runner: ModelRunner
+    output: OutputProcessor
+    metrics: Metrics
+    budget: TokenBudget
+    _lock: threading.Lock  # guards _pending, _stopping, _failure and the inbox's end
+    _inbox: queue.Queue[Message]
+    _thread: threading.Thread
+    _pending: int
+    _stopping: bool
+    _failure: str | None
+    _inbox_closed: bool
+    gauges: tuple[int, int, int]
+    _queue_positions: dict[int, int]
+    _running_ids: frozenset[int]
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread and return its result (on the caller's thread once
+        the engine thread has ended: then nothing else touches the pool)."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        fut: Future[T] = Future()
+        with self._lock:
+            closed = self._inbox_closed
+            if not closed:
+                self._inbox.put(Call(fn, fut))
+        return fn() if closed else fut.result()
+
+    def _cancel(self, seq_id: int) -> None:
+        self._inbox.put(Cancel(seq_id))
+
+    def _left_queue(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _handle(self, msg: Message) -> None:
+        match msg:
+            case Submit(request):
+                self.output.add(request)
+            case Cancel(seq_id):
+                self.output.cancel(seq_id)
+            case Call(fn, future):
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                    future.set_exception(e)
+            case Stop():
+                self._stopping = True
+
+    def _drain(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        self._handle(msg)
+        while True:
+            try:
+                self._handle(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        reason = "the server is shutting down"
+        try:
+            while not self._stopping:
+                self._drain(block=not self.scheduler.has_work())
+                if not self._stopping and self.scheduler.has_work():
+                    self._step()
+                self._publish()
+        except BaseException as e:  # noqa: BLE001 - nobody would wait forever: fail them all
+            log.critical("the engine thread failed; refusing new work", exc_info=e)
+            reason = f"the engine failed ({type(e).__name__}: {e}); the server must restart"
+            with self._lock:
+                self._failure = reason
+        finally:
+            with self._lock:  # from here on submit() refuses and _call() runs on its caller
+                self._stopping = True
+                self._inbox_closed = True
+            self.output.fail_all(reason)
+            while True:  # answer what raced with the end: calls run, requests fail
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                match msg:
+                    case Call():
+                        self._handle(msg)
+                    case Submit(request):
+                        request.handle._finish(FinishReason.ERROR, reason)
+            self._publish()
+
+    def _step(self) -> None:
+        """Schedule, run, process."""
+        plan = self.scheduler.schedule(self.budget.next(self.scheduler))
+        self.output.count_admitted()
+        if not plan:
+            self._drain(block=True)  # nothing fits: wait for a cancel or a release
+            return
+        t0 = time.perf_counter()
+        next_tokens = self._run(plan)
+        if next_tokens is None:
+            return
+        ms = (time.perf_counter() - t0) * 1000
+        self.budget.record(plan, ms)
+        now = time.monotonic()
+        self.output.process(plan, next_tokens, now)
+        self.metrics.record_step(
+            now,
+            ms,
+            len(plan.decodes) + len(plan.prefills),
+            len(next_tokens),
+            sum(n for _, n in plan.prefills),
+        )
+
+    def _run(self, plan: StepPlan) -> dict[Sequence, int] | None:
+        """The runner's next tokens, or None when the step failed (and with it its requests)."""
+        try:
+            return self.runner.run(plan)
+        except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
+            log.exception("model step failed; failing its %d requests", len(plan.sequences))
+            self.output.fail(plan.sequences, f"generation failed: {e}")
+            return None
+
+    def _publish(self) -> None:
+        sched = self.scheduler
+        self.gauges = (len(sched.running), len(sched.resident), sched.resident.num_blocks)
+        order = sched.policy.admission_order(sched.waiting) if sched.waiting else []
+        self._queue_positions = {s.seq_id: i for i, s in enumerate(order)}
+        self._running_ids = frozenset(s.seq_id for s in sched.running)
