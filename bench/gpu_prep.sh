@@ -58,7 +58,7 @@ fi
 if [ -z "$src" ]; then  # convert the embedded GGUF once (a minute or two)
   src=$("$PY" -c "
 from pathlib import Path
-from engine.model.loader import convert_gguf, embedded_gguf
+from engine.model.checkpoint import convert_gguf, embedded_gguf
 print(convert_gguf(embedded_gguf(), Path('$TMP/data')))")
 fi
 echo "config and tokenizer from: $src"

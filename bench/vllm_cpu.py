@@ -79,7 +79,7 @@ def prepare_vllm(cache: Path = CACHE) -> Path:
 
 def prepare_model(cache: Path = CACHE) -> tuple[Path, Path]:
     """(GGUF, safetensors dir): the very weights crowdchat serves, in each peer's format."""
-    from engine.model.loader import (  # torch and transformers: slow import
+    from engine.model.checkpoint import (  # torch and transformers: slow import
         convert_gguf,
         embedded_gguf,
     )

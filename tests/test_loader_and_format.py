@@ -15,7 +15,8 @@ from engine import EngineConfig, InvalidRequest, ModelLoadError
 from engine.chat_format import ChatFormatter
 from engine.kernels import cpu_kernels
 from engine.model import fingerprint
-from engine.model.loader import LoadedModel, embedded_gguf, load_model, resolve_checkpoint
+from engine.model.checkpoint import embedded_gguf, resolve_checkpoint
+from engine.model.loader import LoadedModel, load_model
 
 
 def test_embedded_model_is_found_inside_its_package() -> None:
@@ -204,7 +205,7 @@ def test_two_processes_converting_the_same_gguf_at_once_both_get_the_copy(tmp_pa
     supports (its loading sets process-wide defaults; one thread once saved meta tensors)."""
     code = (
         "import sys; from pathlib import Path; "
-        "from engine.model.loader import convert_gguf, embedded_gguf; "
+        "from engine.model.checkpoint import convert_gguf, embedded_gguf; "
         "print(convert_gguf(embedded_gguf(), Path(sys.argv[1])))"
     )
     (tmp_path / "models").mkdir()

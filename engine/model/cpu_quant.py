@@ -33,7 +33,6 @@ the int8 kernel even at one row."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu_kernels
-
-log = logging.getLogger(__name__)
 
 # GGUF's Q4_1 block: a Q4_1 model requantizes without loss (greedy replies equal float32's on
 # the embedded model). 64 was tried for speed and broke the model ("1.1.1.1..." for "count
@@ -301,81 +298,3 @@ def dense_kind(dtype: torch.dtype, dense_rows: int | None) -> DenseKind | None:
     fp16 = dtype == torch.float32 and fp16_gemm_available()
     default = FP16_DENSE_ABOVE if fp16 else DENSE_ABOVE
     return DenseKind(dtype, fp16, default if dense_rows is None else dense_rows)
-
-
-def quantize_model(
-    model: nn.Module, quant: str, dense_rows: int | None, activations: str = "auto"
-) -> str:
-    """Replace the decoder's linears (int4 or int8 per `quant`) and the output projection
-    (int8, or float16 beside float16 dense copies) in place; `activations` as
-    `--cpu-activations`. Returns the kernels' name for the KV fingerprint and the admin page."""
-    from engine.model.fused_proj import fuse_projections  # it builds on this module's linears
-
-    dense = dense_kind(model.dtype, dense_rows)
-    # crowdchat's 4-bit kernel where compute is float32 (PyTorch's is fast on native bf16)
-    own = quant == "nf4" and model.dtype == torch.float32 and cpu_kernels.q4_linear() is not None
-    # on the AVX512-BF16 kernel no dense copy beside the 4-bit weights: it is faster at every
-    # row count measured (csrc/q4_linear.cpp), unless the operator asks for one
-    dot_layout = own and cpu_kernels.q4_dot_layout()
-    dot = dot_layout and dense_rows is None
-    # int8 activations on that kernel where it has them (AVX512-VNNI), unless asked not to
-    q8 = dot_layout and activations != "bfloat16" and cpu_kernels.q8_activations()
-    if activations == "int8" and not q8:
-        log.warning("--cpu-activations int8 needs crowdchat's AVX512-VNNI kernel: bfloat16")
-
-    def make(w: torch.Tensor, d: DenseKind | None) -> QuantLinear:
-        return Int4Linear(w, None if dot else d, own, q8) if quant == "nf4" else Int8Linear(w, d)
-
-    # q/k/v and gate/up first, each group as one packed matrix (see engine.model.fused_proj)
-    groups = fuse_projections(
-        model,
-        lambda w: make(w, dense),
-        split_forward,
-        lambda m: quant != "nf4" or m.in_features % GROUP_SIZE == 0,
-    )
-    swapped = 0
-    head = "int8"
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.bias is not None:
-                continue
-            if child is model.get_output_embeddings():
-                if dot:  # int8 on the AVX512-BF16 kernel: half the bytes of float16
-                    setattr(parent, name, Int8Linear(child.weight, None, own=True, q8=q8))
-                    head = f"int8, crowdchat's AVX512 kernel, {'int8' if q8 else 'bf16'} x"
-                elif dense is not None and dense.fp16:
-                    setattr(parent, name, Fp16Linear(child.weight))
-                    head = "fp16"
-                else:
-                    setattr(parent, name, Int8Linear(child.weight, dense))
-            elif quant == "nf4" and child.in_features % GROUP_SIZE:
-                continue  # a shape the int4 kernel cannot group: stays dense
-            else:
-                setattr(parent, name, make(child.weight, dense))
-            swapped += 1
-    log.info(
-        "CPU weight-only %s%s on %d linears + %d fused groups, output projection %s, %s",
-        quant,
-        (
-            f" (crowdchat's AVX512-BF16 kernel, {'int8' if q8 else 'bfloat16'} activations)"
-            if dot_layout
-            else " (crowdchat's kernel)"
-        )
-        if own
-        else "",
-        swapped,
-        groups,
-        head,
-        None if dot else dense,
-    )
-    name = "torch-int8"
-    if quant == "nf4":
-        name = f"{'crowdchat' if own else 'torch'}{'-dot' if dot_layout else ''}-int4g{GROUP_SIZE}"
-        name += "-q8" if q8 else ""
-    return name + "+fp16" if dense is not None and dense.fp16 and not dot else name
-
-
-def dense_copy_bytes(model: nn.Module) -> int:
-    """Bytes of the FBGEMM-packed copies, which `get_memory_footprint` (parameters and buffers)
-    does not see."""
-    return sum(m.packed_bytes for m in model.modules() if isinstance(m, DenseCopy))
