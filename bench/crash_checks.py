@@ -4,6 +4,7 @@ that lie, and a session's transcript as the model sees it."""
 
 from __future__ import annotations
 
+import inspect
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,12 +16,15 @@ from sessions.snapshots import SUFFIX, TEMP_SUFFIX
 @dataclass(frozen=True)
 class Ack:
     """Something the server acknowledged: a session ('session'), a user message whose turn got
-    its 200 ('user'), or a finished reply ('assistant') to the user message `after`."""
+    its 200 ('user'), or a finished reply ('assistant') to the user message `after`. `shown`:
+    the content as the chat page shows it, which Gradio's Chatbot passes through
+    `inspect.cleandoc` (leading and trailing blank lines and common indentation go)."""
 
     sid: str
     role: str
     content: str = ""
     after: str | None = None
+    shown: bool = False
 
 
 @dataclass
@@ -49,7 +53,7 @@ def read_db(path: Path) -> Db:
 
 def lost_acks(db: Db, acks: list[Ack]) -> list[Ack]:
     """The acknowledged things SQLite does not hold (a reply: not as its message's child)."""
-    users, replies = set(), set()
+    users, replies, shown = set(), set(), set()
     for sid, rows in db.messages.items():
         text = {r["id"]: r["content"] for r in rows}
         for r in rows:
@@ -57,12 +61,16 @@ def lost_acks(db: Db, acks: list[Ack]) -> list[Ack]:
                 users.add((sid, r["content"]))
             else:
                 replies.add((sid, r["content"], text.get(r["parent_id"])))
+                shown.add((sid, inspect.cleandoc(r["content"]), text.get(r["parent_id"])))
     return [
         a
         for a in acks
         if a.sid not in db.sessions
         or (a.role == "user" and (a.sid, a.content) not in users)
-        or (a.role == "assistant" and (a.sid, a.content, a.after) not in replies)
+        or (
+            a.role == "assistant"
+            and (a.sid, a.content, a.after) not in (shown if a.shown else replies)
+        )
     ]
 
 

@@ -210,7 +210,7 @@ class Crowd:
                 else:
                     sid = convos["value"]
                     t.add(Ack(sid, "session"), Ack(sid, "user", text), count="page_acked")
-                    t.add(Ack(sid, "assistant", shown[-1][1], after=text))
+                    t.add(Ack(sid, "assistant", shown[-1][1], after=text, shown=True))
             except Exception as e:  # noqa: BLE001 - the server died under it: a new tab
                 t.add(error=f"page_{type(e).__name__}")
                 if client is not None:

@@ -27,6 +27,7 @@ def data_dir(tmp_path: Path) -> Path:
         (2, "a", "assistant", "Hello!", 1, 0),
         (3, "a", "assistant", "Hey.", 1, 1),  # the regenerated reply, selected
         (4, "b", "user", "Yo", None, 1),
+        (5, "b", "assistant", "Sure:\n", 4, 1),  # the page shows it as "Sure:"
     ]
     for id, sid, role, content, parent, selected in rows:
         db["messages"].insert(
@@ -54,6 +55,8 @@ def test_every_acknowledged_message_is_found_and_a_missing_one_is_reported(
         Ack("a", "user", "Hi"),
         Ack("a", "assistant", "Hello!", after="Hi"),  # an unselected branch is still stored
         Ack("b", "user", "Yo"),
+        Ack("b", "assistant", "Sure:", after="Yo", shown=True),  # as Gradio's Chatbot shows it
+        Ack("b", "assistant", "Sure:\n", after="Yo"),  # over the API, byte for byte
     ]
     assert lost_acks(db, kept) == []
     lost = [
@@ -61,6 +64,7 @@ def test_every_acknowledged_message_is_found_and_a_missing_one_is_reported(
         Ack("b", "user", "Hi"),  # in another session only
         Ack("b", "assistant", "Hey.", after="Yo"),
         Ack("a", "assistant", "Hey.", after="Hello!"),  # stored, but not after that message
+        Ack("b", "assistant", "Sure:", after="Yo"),  # an API reply must match byte for byte
     ]
     assert lost_acks(db, kept + lost) == lost
 
