@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from api.chat_request import ChatRequest, parse_chat_request, parse_json_object, typed_field
 from api.errors import ApiError, error_body, error_response
 from doors.identity import bearer, identity_of, token_owner
-from engine import Backend
+from engine import Backend, InvalidRequest
 from sessions import Reply, SessionManager
 from sessions.relay import AsyncRelay, Delta, End, Event, Failed
 from sessions.reply import kv_source
@@ -108,6 +108,27 @@ def build_router(engine: Backend, sessions: SessionManager, model_name: str) -> 
             {"id": row["id"], "object": "session", "created": int(row.get("created", time.time()))}
         )
 
+    @router.get("/v1/sessions")
+    async def list_sessions(request: Request, q: str | None = None, limit: str = "20") -> Response:
+        """The caller's conversations, most recent first; with `q`, those whose title or
+        messages match it, best first, each with the matching snippet."""
+        try:
+            owner = owner_of(request)
+            if q is None:
+                rows = await asyncio.to_thread(sessions.list_sessions, owner)
+                data = [_session_object(r) for r in rows]
+            else:
+                if not limit.isdigit():
+                    raise InvalidRequest("limit must be a whole number")
+                hits = await asyncio.to_thread(sessions.search, owner, q, int(limit))
+                data = [
+                    {**_session_object({**h, "id": h["session_id"]}), "match": _match(h)}
+                    for h in hits
+                ]
+        except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style body
+            return error_response(e)
+        return JSONResponse({"object": "list", "data": data})
+
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         try:
@@ -129,6 +150,26 @@ def build_router(engine: Backend, sessions: SessionManager, model_name: str) -> 
             raise
 
     return router
+
+
+def _session_object(row: dict) -> dict:
+    return {
+        "id": row["id"],
+        "object": "session",
+        "title": row["title"],
+        "last_active": int(row["last_active"]),
+    }
+
+
+def _match(hit: dict) -> dict:
+    """Where a search hit matched: the title, or a message (its id and role)."""
+    where = "title" if hit["message_id"] is None else "message"
+    return {
+        "in": where,
+        "message_id": hit["message_id"],
+        "role": hit["role"],
+        "snippet": hit["snippet"],
+    }
 
 
 async def _respond(

@@ -83,6 +83,24 @@ class BranchTurns:
                 self._release(sid)
         return target
 
+    def show_message(self, owner: str, sid: str, message_id: int) -> None:
+        """Make the active path run through `message_id` (a search hit on another branch):
+        each of its ancestors becomes the selected branch of its group. SessionBusy while the
+        conversation answers; nothing is deleted."""
+        self.get_session(owner, sid)
+        with self._claimed(sid):
+            try:
+                rows = {m["id"]: m for m in self.store.message_tree(sid)}
+                if message_id not in rows:
+                    raise InvalidRequest("no such message in this conversation")
+                at: int | None = message_id
+                while at is not None:
+                    if not rows[at]["selected"]:
+                        self.store.select_message(sid, at, {"last_active": time.time()})
+                    at = rows[at]["parent_id"]
+            finally:
+                self._release(sid)
+
     def _mark_active(self, turn: ChatTurn) -> None:
         """The engine took a regenerate: the session answers (the old reply stays)."""
         self.store.update_session(

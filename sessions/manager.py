@@ -104,6 +104,14 @@ class SessionManager(BranchTurns, TurnLife):
         self.get_session(owner, sid)
         self.store.update_session(sid, title=clean_text(title, 200))
 
+    def search(
+        self, owner: str, text: str, limit: int = 20, marks: tuple[str, str] = ("**", "**")
+    ) -> list[dict]:
+        """The owner's conversations whose title or messages (any branch) match `text`, best
+        first, each with where it matched (sessions.search). InvalidRequest for a search
+        without a word or over 200 characters."""
+        return self.store.search(owner, text, limit, marks)
+
     def set_system_prompt(self, owner: str, sid: str, system_prompt: str) -> None:
         """Change the session's system prompt (the page sends it with every message, so an
         unchanged one costs no write)."""

@@ -126,6 +126,37 @@ def m007_shared_prompts(db: Database) -> None:
     )
 
 
+# Full-text search (sessions.search): messages through an external-content FTS5 table on
+# their id (an INTEGER PRIMARY KEY: stable), titles in a table of their own keyed by the
+# session id (a sessions rowid may change on VACUUM). Triggers keep both current.
+_SEARCH_SQL = (
+    "CREATE VIRTUAL TABLE messages_fts USING fts5(content, content='messages', content_rowid='id')",
+    "INSERT INTO messages_fts (messages_fts) VALUES ('rebuild')",
+    "CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN"
+    " INSERT INTO messages_fts (rowid, content) VALUES (NEW.id, NEW.content); END",
+    "CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN"
+    " INSERT INTO messages_fts (messages_fts, rowid, content)"
+    " VALUES ('delete', OLD.id, OLD.content); END",
+    "CREATE TRIGGER messages_fts_update AFTER UPDATE OF content ON messages BEGIN"
+    " INSERT INTO messages_fts (messages_fts, rowid, content)"
+    " VALUES ('delete', OLD.id, OLD.content);"
+    " INSERT INTO messages_fts (rowid, content) VALUES (NEW.id, NEW.content); END",
+    "CREATE VIRTUAL TABLE sessions_fts USING fts5(title, session_id UNINDEXED)",
+    "INSERT INTO sessions_fts (title, session_id) SELECT title, id FROM sessions",
+    "CREATE TRIGGER sessions_fts_insert AFTER INSERT ON sessions BEGIN"
+    " INSERT INTO sessions_fts (title, session_id) VALUES (NEW.title, NEW.id); END",
+    "CREATE TRIGGER sessions_fts_delete AFTER DELETE ON sessions BEGIN"
+    " DELETE FROM sessions_fts WHERE session_id = OLD.id; END",
+    "CREATE TRIGGER sessions_fts_update AFTER UPDATE OF title ON sessions BEGIN"
+    " UPDATE sessions_fts SET title = NEW.title WHERE session_id = OLD.id; END",
+)
+
+
+def m008_search(db: Database) -> None:
+    for sql in _SEARCH_SQL:
+        db.execute(sql)
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
     m001_sessions,
     m002_messages,
@@ -134,6 +165,7 @@ MIGRATIONS: list[Callable[[Database], None]] = [
     m005_counters,
     m006_branches,
     m007_shared_prompts,
+    m008_search,
 ]
 
 

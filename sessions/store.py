@@ -12,6 +12,7 @@ from sqlite_utils.db import NotFoundError
 
 from sessions.branches import END, active_path
 from sessions.migrations import migrate
+from sessions.search import search
 from sessions.sqlite_worker import SQLiteWorker
 from sessions.state import SessionState
 
@@ -110,6 +111,10 @@ class Store:
             return []
         sql = "SELECT id FROM sessions WHERE id GLOB ? ORDER BY id LIMIT ?"
         return [row[0] for row in self.sql.reader().execute(sql, [prefix + "*", limit])]
+
+    def search(self, owner: str, text: str, limit: int, marks: tuple[str, str]) -> list[dict]:
+        """`owner`'s conversations matching `text` (sessions.search.search)."""
+        return search(self.sql.reader(), owner, text, limit, marks)
 
     def count_sessions(self, owner: str) -> int:
         """How many sessions `owner` has (an index count)."""

@@ -7,6 +7,7 @@ import gradio as gr
 from ui.branch_bar import BranchBar
 from ui.chat_page import ChatPage, Screen
 from ui.keys_page import KeysSection, build_keys_section
+from ui.search_section import SearchSection
 
 
 def build_chat_blocks(
@@ -23,6 +24,13 @@ def build_chat_blocks(
             with gr.Column(scale=1, min_width=220, elem_id="sidebar"):
                 gr.Markdown("## crowdchat", elem_id="brand")
                 new_btn = gr.Button("+ New chat", variant="primary", elem_id="new-chat")
+                find = gr.Textbox(
+                    placeholder="Search your conversations",
+                    show_label=False,
+                    max_lines=1,
+                    elem_id="search",
+                )
+                hits = gr.Radio(choices=[], label="Found", visible=False, elem_id="search-hits")
                 convos = gr.Radio(choices=[], label="Your conversations", elem_id="convos")
                 with gr.Accordion("Rename or delete", open=False):
                     title = gr.Textbox(label="New title", max_lines=1)
@@ -142,6 +150,16 @@ def build_chat_blocks(
             concurrency_limit=None,
         )
         then_bar(selected)
+        search = SearchSection(page)
+        find.submit(search.on_search, [find], [hits, status], concurrency_limit=None)
+        then_bar(
+            hits.input(
+                search.on_open,
+                [hits, screen],
+                [sid, chatbot, status, system, convos],
+                concurrency_limit=None,
+            )
+        )
         rename_btn.click(page.on_rename, [sid, title], [convos, title], concurrency_limit=None)
         deleted = delete_btn.click(
             page.on_delete,
