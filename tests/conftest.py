@@ -5,13 +5,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from engine import Engine, EngineConfig
 from engine.chat_format import ChatFormatter
-from engine.model.loader import LoadedModel, load_model
+from engine.model.loader import LoadedModel, load_model, local_tokenizer
 from engine.model.runner import ModelRunner, RunnerFactory
+
+if TYPE_CHECKING:  # the upstream rig imports tests.web, which imports this file
+    from engine.upstream.backend import UpstreamBackend
+    from sessions import SessionManager
+    from tests.fake_upstream import FakeReplica
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
@@ -77,3 +83,51 @@ def close_sessions(engine: Engine, manager: object) -> None:
     manager.shutdown()  # type: ignore[attr-defined]
     engine.check_integrity()
     engine.shutdown()
+
+
+# -- crowdchat over fake vLLM replicas (tests/upstream_rig.py) --------------------------------
+
+
+@pytest.fixture(scope="session")
+def local(model_dir: Path) -> tuple:
+    """The embedded model's tokenizer and facts, read without loading any weights."""
+    return local_tokenizer(EngineConfig(data_dir=model_dir))
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[list[FakeReplica]]:
+    from tests.fake_upstream import FakeReplica
+
+    reps = [FakeReplica("r0").start(), FakeReplica("r1").start()]
+    yield reps
+    for r in reps:
+        r.stop()
+
+
+@pytest.fixture(scope="module")
+def served(
+    replicas: list[FakeReplica], local: tuple, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, UpstreamBackend, SessionManager, object]]:
+    from tests.upstream_rig import upstream_server
+
+    with upstream_server(replicas, tmp_path_factory.mktemp("upstream"), local) as s:
+        yield s
+
+
+@pytest.fixture
+def up(served, replicas):  # noqa: ANN001, ANN201
+    """The shared server with both replicas alive, healthy, faultless and forgotten."""
+    from tests.upstream_rig import wait_for
+
+    url, backend, sm, monitor = served
+    for r in replicas:
+        if r.server is None:
+            r.start()
+        r.fault, r.delay, r.words = None, 0.0, 4
+        r.requests.clear()
+        r.ports.clear()
+        r.aborted = r.completed = 0
+    for r in backend.router.replicas:
+        backend.drain(r.url, draining=False)
+    wait_for(lambda: all(r.healthy for r in backend.router.replicas))
+    return served

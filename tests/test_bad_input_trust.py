@@ -17,7 +17,7 @@ from api.errors import ApiError
 from tests.fake_upstream import FakeReplica
 from tests.test_bad_input import HI, post, url  # noqa: F401 - the fixture too
 from tests.test_offload import Rig, rig  # noqa: F401 - the fixture too
-from tests.test_upstream import ask, local, upstream_server, wait_for  # noqa: F401 - the fixture
+from tests.upstream_rig import ask, upstream_server, wait_for
 
 DEEP = 100_000  # what the issue sent: far past Python's recursion limit
 
@@ -117,7 +117,7 @@ class MalformedReplica(FakeReplica):
 
 @pytest.fixture(scope="module")
 def bad_first(
-    local: tuple,  # noqa: F811
+    local: tuple,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple]:
     """(url, backend, bad, good): every turn goes to `bad` while it is healthy (`good` is

@@ -312,7 +312,7 @@ def test_admin_shows_upstream_replicas(browser: Browser, model_dir: Path, tmp_pa
     from engine import EngineConfig
     from engine.model.loader import local_tokenizer
     from tests.fake_upstream import FakeReplica
-    from tests.test_upstream import upstream_server
+    from tests.upstream_rig import upstream_server
 
     local = local_tokenizer(EngineConfig(data_dir=model_dir))
     reps = [FakeReplica("r0").start(), FakeReplica("r1").start()]

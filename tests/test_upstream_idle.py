@@ -10,11 +10,11 @@ import pytest
 
 from engine import RequestFailed
 from tests.fake_upstream import FakeReplica
-from tests.test_upstream import local, upstream_server  # noqa: F401 - the fixture too
+from tests.upstream_rig import upstream_server
 
 
 def test_gaps_under_the_idle_timeout_pass_and_a_longer_silence_fails(
-    local: tuple,  # noqa: F811
+    local: tuple,
     tmp_path: Path,
 ) -> None:
     replica = FakeReplica("r0", words=12).start()
