@@ -55,6 +55,11 @@ def make_engine(
     return Engine(EngineConfig(**settings), loaded, runner=runner)  # type: ignore[arg-type]
 
 
+def ask(formatter: ChatFormatter, text: str) -> list[int]:
+    """One user message in the chat template, as token ids."""
+    return formatter.encode([{"role": "user", "content": text}])
+
+
 @pytest.fixture
 def nf4_engine(nf4_model: LoadedModel, tmp_path: Path) -> Iterator[Engine]:
     engine = make_engine(nf4_model, tmp_path)
