@@ -20,6 +20,7 @@ from sessions.migrations import MIGRATIONS, migrate
 from sessions.search import MAX_QUERY_CHARS, fts_query
 from sessions.store import Store
 from tests.conftest import close_sessions, make_sessions
+from tests.web import bearer
 from ui.search_section import MARKS, SearchSection
 
 WORDS = "apple banana cherry damson elder fig grape hazel".split()
@@ -137,10 +138,6 @@ def served(nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory):  #
     with TestClient(app) as http:
         yield sm, http
     close_sessions(engine, sm)
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 def test_the_api_lists_and_searches_the_callers_sessions_only(served) -> None:  # noqa: ANN001

@@ -27,6 +27,11 @@ def client_at(name: str) -> dict[str, str]:
     return {"X-Forwarded-For": client_address(name)}
 
 
+def bearer(key: str) -> dict[str, str]:
+    """The Authorization header of API key `key`."""
+    return {"Authorization": f"Bearer {key}"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
