@@ -17,6 +17,7 @@ from engine.model.runner import ModelRunner, RunnerFactory
 if TYPE_CHECKING:  # the upstream rig imports tests.web, which imports this file
     from engine.upstream.backend import UpstreamBackend
     from sessions import SessionManager
+    from tests.api_rig import LiveServer
     from tests.fake_upstream import FakeReplica
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
@@ -88,6 +89,18 @@ def close_sessions(engine: Engine, manager: object) -> None:
     manager.shutdown()  # type: ignore[attr-defined]
     engine.check_integrity()
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def live(nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The API and /metrics on a free port over the embedded model (tests/api_rig.py)."""
+    from tests.api_rig import LiveServer
+
+    engine, sessions = make_sessions(nf4_model, tmp_path_factory.mktemp("api"))
+    server = LiveServer(engine, sessions)
+    yield server
+    server.close()
+    close_sessions(engine, sessions)
 
 
 # -- crowdchat over fake vLLM replicas (tests/upstream_rig.py) --------------------------------

@@ -9,8 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.model.loader import LoadedModel
+from tests.api_rig import HI, MODEL, LiveServer
 from tests.conftest import close_sessions, make_sessions
-from tests.test_api import HI, MODEL, LiveServer
 
 
 def gauge(url: str, name: str) -> float:
