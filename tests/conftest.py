@@ -11,6 +11,7 @@ import pytest
 
 from engine import Engine, EngineConfig
 from engine.chat_format import ChatFormatter
+from engine.kernels import cpu_kernels
 from engine.model.loader import LoadedModel, load_model, local_tokenizer
 from engine.model.runner import ModelRunner, RunnerFactory
 
@@ -45,6 +46,15 @@ def fp32_model(model_dir: Path) -> LoadedModel:
 @pytest.fixture(scope="session")
 def formatter(nf4_model: LoadedModel) -> ChatFormatter:
     return ChatFormatter(nf4_model.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_kernels.Kernel:
+    """crowdchat's CPU decode attention kernel; loading it registers every torch.ops.crowdchat
+    op the kernel tests call."""
+    k = cpu_kernels.decode_attention()
+    assert k is not None, "make builds it: python engine/kernels/cpu_kernels.py"
+    return k
 
 
 def make_engine(
