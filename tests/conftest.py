@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the upstream rig imports tests.web, which imports this file
     from sessions import SessionManager
     from tests.api_rig import LiveServer
     from tests.fake_upstream import FakeReplica
+    from tests.offload_rig import Rig
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
@@ -111,6 +112,17 @@ def live(nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> It
     yield server
     server.close()
     close_sessions(engine, sessions)
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    """A KV offloader over a fake engine, a real store and real snapshot files
+    (tests/offload_rig.py)."""
+    from tests.offload_rig import Rig
+
+    r = Rig(tmp_path)
+    yield r
+    r.close()
 
 
 # -- crowdchat over fake vLLM replicas (tests/upstream_rig.py) --------------------------------

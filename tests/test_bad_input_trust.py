@@ -15,8 +15,8 @@ import pytest
 from api.chat_request import MAX_JSON_DEPTH, parse_json_object
 from api.errors import ApiError
 from tests.fake_upstream import FakeReplica
+from tests.offload_rig import Rig
 from tests.test_bad_input import HI, post, url  # noqa: F401 - the fixture too
-from tests.test_offload import Rig, rig  # noqa: F401 - the fixture too
 from tests.upstream_rig import ask, upstream_server, wait_for
 
 DEEP = 100_000  # what the issue sent: far past Python's recursion limit
@@ -75,7 +75,7 @@ def read_header(path: Path) -> dict:
 
 @pytest.mark.parametrize("where", ["the header", "its fingerprint"])
 def test_a_snapshot_header_nested_too_deep_is_a_damaged_file_dropped_once(
-    rig: Rig,  # noqa: F811
+    rig: Rig,
     caplog: pytest.LogCaptureFixture,
     where: str,
 ) -> None:

@@ -1,111 +1,18 @@
-"""The KV offloader off the happy path, driven by a fake engine (no model): writer crashes,
-races between a delete and a write, unexpected restore errors, orphan snapshot files."""
+"""The KV offloader off the happy path, driven by a fake engine (no model, tests/offload_rig.py):
+writer crashes, races between a delete and a write, unexpected restore errors, orphan snapshot
+files."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import torch
 
-from engine import KVExport, KVFile, read_kv_file
-from sessions.offload import KVOffloader
 from sessions.persist_retry import PersistRetry, RetryPolicy
-from sessions.snapshots import SnapshotFiles
-from sessions.store import Store
-
-FP = {"model_id": "fake", "block_size": 16, "num_layers": 2, "num_kv_heads": 2, "head_dim": 4}
-
-
-class FakeEngine:
-    """The engine calls the offloader makes, on a dict of resident KV."""
-
-    def __init__(self) -> None:
-        self.kv_fingerprint = FP
-        self.device_type = "cpu"
-        self.resident: dict[str, KVExport] = {}
-        self.exports = 0
-
-    def export_kv(self, sid: str) -> KVExport | None:
-        self.exports += 1
-        return self.resident.get(sid)
-
-    def drop_kv(self, sid: str) -> bool:
-        return self.resident.pop(sid, None) is not None
-
-    def import_kv(
-        self, sid: str, kv: KVExport, cache_ns: str | None = None, shareable_prefix: int = 0
-    ) -> bool:
-        self.resident[sid] = kv
-        return True
-
-    def import_kv_file(
-        self, sid: str, kv: KVFile, cache_ns: str | None = None, shareable_prefix: int = 0
-    ) -> bool:
-        return self.import_kv(sid, KVExport(kv.token_ids, *read_kv_file(kv)))
-
-    def resident_kv(self) -> dict[str, tuple[int, int, float]]:
-        return {s: (len(kv.token_ids), 1, 999.0) for s, kv in list(self.resident.items())}
-
-
-def fake_kv(tokens: int = 5, seed: int = 0) -> KVExport:
-    gen = torch.Generator().manual_seed(seed)
-    shape = (FP["num_layers"], tokens, FP["num_kv_heads"], FP["head_dim"])  # [L, T, H, D]
-    return KVExport(
-        list(range(1, tokens + 1)),
-        torch.randn(shape, generator=gen),
-        torch.randn(shape, generator=gen),
-    )
-
-
-class Rig(SimpleNamespace):
-    engine: FakeEngine
-    store: Store
-    files: SnapshotFiles
-    off: KVOffloader
-    states: list[tuple[str, str]]
-
-    def session(self, sid: str, resident: bool = True) -> str:
-        self.store.create_session(sid, "u", "", "")
-        if resident:
-            self.engine.resident[sid] = fake_kv()
-        return sid
-
-    def evict(self, sid: str) -> None:
-        self.off.evict(1, None, lambda other: other != sid)
-
-
-@pytest.fixture
-def rig(tmp_path: Path) -> Iterator[Rig]:
-    engine = FakeEngine()
-    store = Store(tmp_path / "crowdchat.db")
-    files = SnapshotFiles(tmp_path / "snapshots")
-    states: list[tuple[str, str]] = []
-    off = KVOffloader(
-        engine,
-        store,
-        files,
-        0,
-        1 << 30,  # type: ignore[arg-type]
-        lambda sid, state: states.append((sid, state)),
-    )
-    yield Rig(engine=engine, store=store, files=files, off=off, states=states)
-    off.flush()
-    store.close()
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+from tests.offload_rig import FP, Rig, fake_kv, wait_for
 
 
 def test_evicted_kv_becomes_durable_after_a_failure_inside_the_writer(

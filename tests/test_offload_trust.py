@@ -17,41 +17,14 @@ import pytest
 from engine import SamplingParams, ServerBusy
 from engine.model.loader import LoadedModel
 from sessions import SessionConfig, SessionState
-from sessions.offload import RESTORE_STRIPES, KVOffloader
+from sessions.offload import RESTORE_STRIPES
 from sessions.residency import Residency
 from sessions.snapshots import SUFFIX, SnapshotFiles
 from sessions.store import Store
 from tests.conftest import close_sessions, make_sessions
-from tests.test_offload import FP, FakeEngine, fake_kv, wait_for
+from tests.offload_rig import FP, FakeEngine, Rig, fake_kv, wait_for
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8)
-
-
-class Offload:
-    """A KV offloader over a fake engine, recording the states it reports per session."""
-
-    def __init__(self, tmp: Path, disk_budget: int) -> None:
-        self.engine = FakeEngine()
-        self.store = Store(tmp / "crowdchat.db")
-        self.files = SnapshotFiles(tmp / "snapshots")
-        self.states: dict[str, str] = {}
-        self.off = KVOffloader(
-            self.engine,  # type: ignore[arg-type]
-            self.store,
-            self.files,
-            0,
-            disk_budget,
-            self.states.__setitem__,
-        )
-
-    def session(self, sid: str, tokens: int = 5, seed: int = 0) -> str:
-        self.store.create_session(sid, "u", "", "")
-        self.engine.resident[sid] = fake_kv(tokens, seed)
-        return sid
-
-    def close(self) -> None:
-        self.off.flush()
-        self.store.close()
 
 
 def one_snapshot_bytes(tmp: Path, tokens: int = 5) -> int:
@@ -71,16 +44,16 @@ def stripe(sid: str) -> int:
 
 
 @pytest.fixture
-def budget_of_one(tmp_path: Path) -> Iterator[Offload]:
+def budget_of_one(tmp_path: Path) -> Iterator[Rig]:
     """Room for one snapshot and a half: a second one evicts the oldest."""
-    rig = Offload(tmp_path, disk_budget=one_snapshot_bytes(tmp_path) * 3 // 2)
+    rig = Rig(tmp_path, disk_budget=one_snapshot_bytes(tmp_path) * 3 // 2)
     yield rig
     rig.close()
 
 
 # -- item 10: the disk budget ----------------------------------------------------------------
 def test_a_budget_cleanup_never_deletes_a_snapshot_another_session_is_still_writing(
-    budget_of_one: Offload, monkeypatch: pytest.MonkeyPatch
+    budget_of_one: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rig = budget_of_one
     x, y = rig.session("x"), rig.session("y")
@@ -143,7 +116,7 @@ def test_the_running_total_of_snapshot_bytes_is_the_sum_of_the_files_on_disk(
 def test_a_seeded_run_of_persists_evictions_restores_and_deletes_keeps_files_rows_states_agreeing(
     tmp_path: Path,
 ) -> None:
-    rig = Offload(tmp_path, disk_budget=one_snapshot_bytes(tmp_path, tokens=20) * 5 // 2)
+    rig = Rig(tmp_path, disk_budget=one_snapshot_bytes(tmp_path, tokens=20) * 5 // 2)
     try:
         rng = random.Random(11)
         sids = [rig.session(f"s{i}", tokens=rng.randint(1, 20), seed=i) for i in range(6)]
