@@ -16,6 +16,8 @@ from engine.model.loader import LoadedModel, load_model, local_tokenizer
 from engine.model.runner import ModelRunner, RunnerFactory
 
 if TYPE_CHECKING:  # the upstream rig imports tests.web, which imports this file
+    from playwright.sync_api import Browser
+
     from engine.upstream.backend import UpstreamBackend
     from sessions import SessionManager
     from tests.api_rig import LiveServer
@@ -123,6 +125,29 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     r = Rig(tmp_path)
     yield r
     r.close()
+
+
+@pytest.fixture(scope="module")
+def server(nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    """The whole app (tests/web.py's running_server) over the embedded model: (base url,
+    engine, session manager)."""
+    from tests.web import running_server
+
+    with running_server(nf4_model, tmp_path_factory.mktemp("server")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """Debian's chromium driven by Playwright (tests/browser_rig.py)."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.browser_rig import CHROMIUM, FLAGS
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        yield b
+        b.close()
 
 
 # -- crowdchat over fake vLLM replicas (tests/upstream_rig.py) --------------------------------

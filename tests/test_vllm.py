@@ -303,7 +303,7 @@ def test_a_request_over_the_context_gets_a_clear_error_from_crowdchat_or_vllm(cr
 def test_the_page_streams_and_stops_and_the_admin_page_lists_the_replicas(crowdchat, replicas):
     from playwright.sync_api import expect, sync_playwright
 
-    from tests.test_browser import CHROMIUM, FLAGS, assistant_text, loaded
+    from tests.browser_rig import CHROMIUM, FLAGS, assistant_text, loaded
 
     base, _ = crowdchat
     ARTIFACTS.mkdir(exist_ok=True)

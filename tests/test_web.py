@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -13,12 +12,6 @@ from gradio_client.exceptions import AppError
 
 from engine.model.loader import LoadedModel
 from tests.web import ADMIN_PASSWORD, running_server
-
-
-@pytest.fixture(scope="module")
-def server(nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    with running_server(nf4_model, tmp_path_factory.mktemp("web")) as running:
-        yield running
 
 
 def owner_of(client: Client) -> str:

@@ -1,0 +1,94 @@
+"""A real browser (Debian chromium driven by Playwright) on crowdchat's pages: what the browser
+tests (and tests/test_vllm.py's page test) do and read there. The `browser` and `server`
+fixtures are in tests/conftest.py."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+from playwright.sync_api import Page, expect
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def assistant_text(page: Page) -> str:
+    bubbles = page.locator("#chatbot .message.bot, #chatbot [data-testid='bot']")
+    return bubbles.last.inner_text() if bubbles.count() else ""
+
+
+def session_titled(sm: object, title: str, replies: int, timeout: float = 300) -> dict:
+    """The stored conversation whose title starts with `title`, once it has `replies`
+    committed assistant messages."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for row in sm.store.all_sessions():  # type: ignore[attr-defined]
+            if row["title"].startswith(title):
+                msgs = sm.store.messages(row["id"])  # type: ignore[attr-defined]
+                if sum(m["role"] == "assistant" for m in msgs) >= replies:
+                    return row
+        time.sleep(0.2)
+    raise AssertionError(f"no conversation {title!r} with {replies} replies")
+
+
+def loaded(page: Page) -> Page:
+    """Wait until the page's load handler has run (it marks the body when done): a Send
+    before it could be painted over by the load's empty page."""
+    page.wait_for_function("() => document.body.dataset.crowdchatLoaded === '1'", timeout=60_000)
+    return page
+
+
+def set_max_tokens(page: Page, n: int) -> None:
+    box = page.locator("#max-tokens input[type=number]")
+    box.fill(str(n))
+    box.press("Tab")
+
+
+def open_settings(page: Page) -> None:
+    page.locator("#settings").get_by_role("button").first.click()
+    expect(page.locator("#system textarea")).to_be_visible(timeout=10_000)
+
+
+def open_conversation(page: Page, title: str, shows: str) -> None:
+    """Click a conversation in the list until the chat shows `shows`: the list re-renders when
+    a new conversation gets its title, and a click on the item it replaces is lost (seen once
+    in CI while the other reply streamed: the chat never switched)."""
+    for _ in range(3):
+        page.locator("#convos").get_by_text(title).click()
+        try:
+            expect(page.locator("#chatbot")).to_contain_text(shows, timeout=8_000)
+            return
+        except AssertionError:
+            continue
+    expect(page.locator("#chatbot")).to_contain_text(shows, timeout=8_000)
+
+
+def plain(text: str) -> str:
+    """A piece of a reply that reads the same rendered as Markdown: its first plain words."""
+    found = re.search(r"[A-Za-z][A-Za-z ,']{5,}", text)
+    return (found.group() if found else text.strip())[:20].strip()
+
+
+def replies_in_tree(sm: object, sid: str, n: int, timeout: float = 300) -> list[str]:
+    """The texts of the conversation's assistant messages, every branch, once there are `n`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        tree = sm.store.message_tree(sid)  # type: ignore[attr-defined]
+        replies = [m["content"] for m in tree if m["role"] == "assistant"]
+        if len(replies) >= n:
+            return replies
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} replies in {sid}")
