@@ -3,30 +3,37 @@ streaming, Stop, session stickiness, a replica killed mid-conversation, upstream
 
 Slow (two vLLM start-ups): run by `make test-vllm` (CROWDCHAT_TEST_VLLM=1), which `make vllm`
 prepares; skipped otherwise. Which replica served a turn is read from the replicas' own
-Prometheus counters (`vllm:request_success_total`), one turn at a time.
+Prometheus counters (`vllm:request_success_total`), one turn at a time (tests/vllm_rig.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.load import client_headers, free_port
 from bench.vllm_cpu import (
-    CACHE,
     Launched,
     VllmSpec,
     crowdchat_command,
     serving_vllm,
     vllm_python,
+)
+from tests.vllm_rig import (
+    chunks,
+    model_dir,
+    new_session,
+    prefix_hits,
+    running,
+    served,
+    stored,
+    turn,
+    which,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -38,14 +45,6 @@ ADMIN_PASSWORD = "correct horse battery"
 # is configured shorter (an operator's mismatch): crowdchat reads the context from the first,
 # so a prompt between the two reaches the second and its refusal is a real upstream error.
 CONTEXT, SHORT = 2048, 1800
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-
-
-def model_dir() -> Path:
-    found = sorted((CACHE / "model-data" / "models").glob("*/config.json"))
-    if not found:
-        pytest.skip("no converted model: run `make vllm`")
-    return found[-1].parent
 
 
 @pytest.fixture(scope="module")
@@ -93,57 +92,6 @@ def crowdchat(
         app.stop()
 
 
-def served(replicas: list[Launched]) -> list[float]:
-    """Requests each replica has finished (any reason), from its /metrics."""
-    out = []
-    for r in replicas:
-        text = httpx.get(r.base + "/metrics", timeout=10).text
-        out.append(
-            sum(
-                s.value
-                for f in text_string_to_metric_families(text)
-                for s in f.samples
-                if s.name == "vllm:request_success_total"
-            )
-        )
-    return out
-
-
-def running(replica: Launched) -> float:
-    text = httpx.get(replica.base + "/metrics", timeout=10).text
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "vllm:num_requests_running"
-    )
-
-
-def new_session(base: str, key: str) -> dict[str, str]:
-    auth = client_headers(key)
-    made = httpx.post(base + "/v1/sessions", headers=auth, timeout=30)
-    assert made.status_code == 200, made.text
-    return {**auth, "X-Session-Id": made.json()["id"]}
-
-
-def turn(base: str, headers: dict, text: str, max_tokens: int = 12) -> httpx.Response:
-    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
-    return httpx.post(base + "/v1/chat/completions", json=body, headers=headers, timeout=300)
-
-
-def which(before: list[float], after: list[float]) -> int:
-    """The one replica whose counter moved by one."""
-    moved = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if b != a]
-    assert len(moved) == 1 and after[moved[0]] - before[moved[0]] == 1, (before, after)
-    return moved[0]
-
-
-def stored(db: Path, session_id: str) -> list[tuple[str, str]]:
-    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
-        sql = "SELECT role, content FROM messages WHERE session_id = ? ORDER BY id"
-        return con.execute(sql, [session_id]).fetchall()
-
-
 def test_a_session_streams_over_the_api_and_every_turn_is_stored(crowdchat, replicas):
     base, db = crowdchat
     headers = new_session(base, "stream-key")
@@ -163,13 +111,6 @@ def test_a_session_streams_over_the_api_and_every_turn_is_stored(crowdchat, repl
     assert second.status_code == 200 and second.json()["choices"][0]["message"]["content"]
     roles = [role for role, _ in stored(db, headers["X-Session-Id"])]
     assert roles == ["user", "assistant", "user", "assistant"]
-
-
-def chunks(base: str, body: dict, headers: dict | None = None) -> list[dict]:
-    """The JSON events of a streamed request."""
-    with httpx.stream("POST", base, json=body, headers=headers, timeout=300) as r:
-        assert r.status_code == 200, r.read()
-        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
 
 
 def test_vllm_gathers_tokens_per_chunk_and_crowdchat_relays_every_one(crowdchat, replicas):
@@ -235,17 +176,6 @@ def test_closing_the_stream_aborts_the_upstream_request(crowdchat, replicas):
     assert [role for role, _ in stored(db, headers["X-Session-Id"])] == ["user", "assistant"]
 
 
-def prefix_hits(replica: Launched) -> float:
-    """Prompt tokens the replica's prefix cache served, from its own /metrics."""
-    text = httpx.get(replica.base + "/metrics", timeout=10).text
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits")
-    )
-
-
 def test_one_users_cached_prompt_is_no_prefix_cache_hit_for_another(crowdchat, replicas):
     """crowdchat salts vLLM's prefix cache per user (`cache_salt`): the same user's repeated
     prompt hits it, another user's identical prompt on the same replica does not (its time to
@@ -303,7 +233,7 @@ def test_a_request_over_the_context_gets_a_clear_error_from_crowdchat_or_vllm(cr
 def test_the_page_streams_and_stops_and_the_admin_page_lists_the_replicas(crowdchat, replicas):
     from playwright.sync_api import expect, sync_playwright
 
-    from tests.browser_rig import CHROMIUM, FLAGS, assistant_text, loaded
+    from tests.browser_rig import ARTIFACTS, CHROMIUM, FLAGS, assistant_text, loaded
 
     base, _ = crowdchat
     ARTIFACTS.mkdir(exist_ok=True)
