@@ -20,6 +20,7 @@ from fastapi.responses import PlainTextResponse
 from starlette.routing import Mount
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
+from api.downloads import build_download_router
 from api.metrics import build_metrics_router
 from api.openai_api import build_router
 from doors.browser_id import BrowserIds, secret_file
@@ -77,6 +78,7 @@ def build_app(
     browser_ids = BrowserIds(secret_file(data_dir / "cookie.key"), config.new_identities_per_minute)
     app.include_router(build_router(engine, sessions, engine.model_id))
     app.include_router(build_metrics_router(engine, sessions))
+    app.include_router(build_download_router(sessions))  # the chat page's export links
     monitor = Monitor(engine, sessions)
     css = [STATIC / "crowdchat.css"]
     admin_password = config.admin_secret()
@@ -131,6 +133,7 @@ def build_app(
         theme="soft",
         show_error=False,
         auth=throttle.guard(users_checker(users)) if users is not None else None,
+        max_file_size=int(sessions.config.max_import_mb * 1e6),  # uploads: imports only
     )
     resolver.gradio = _gradio_app(app, "")
     # Gradio's sign-ins never end by themselves: each gets an age limit (doors/sign_ins.py)
@@ -139,7 +142,13 @@ def build_app(
     resolver.gradio.tokens = sign_ins  # type: ignore[attr-defined]
     if users is None and admin_password:  # the admin page's own sign-in
         _gradio_app(app, "/admin").tokens = SignIns(max_age)  # type: ignore[attr-defined]
-    app.add_middleware(Doors, config=config, resolver=resolver, browser_ids=browser_ids)
+    app.add_middleware(
+        Doors,
+        config=config,
+        resolver=resolver,
+        browser_ids=browser_ids,
+        max_import_bytes=int(sessions.config.max_import_mb * 1e6),
+    )
     if config.proxies():  # outside Doors: the client it sees is the forwarded one
         app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=config.proxies())
     app.state.doors = SimpleNamespace(

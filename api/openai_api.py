@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from api.chat_request import ChatRequest, parse_chat_request, parse_json_object, typed_field
+from api.chat_request import ChatRequest, parse_chat_request, parse_json_object
 from api.errors import ApiError, error_body, error_response
-from doors.identity import bearer, identity_of, token_owner
-from engine import Backend, InvalidRequest
+from api.sessions_api import build_sessions_router, owner_of, with_session_settings
+from engine import Backend
 from sessions import Reply, SessionManager
 from sessions.relay import AsyncRelay, Delta, End, Event, Failed
 from sessions.reply import kv_source
@@ -23,14 +23,6 @@ from sessions.reply import kv_source
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.1  # how often a request that has sent nothing yet checks its client
 CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, logs show why
-
-
-def owner_of(request: Request) -> str:
-    """The caller: the identity the Doors middleware found (an API key's user, a key of the
-    --api-keys file, the open API's client address); these routes mounted without the
-    middleware (their own tests) take a hash of the bearer string, 'api:anonymous' without."""
-    identity = identity_of(request.scope)
-    return identity.owner if identity is not None else token_owner(bearer(request.headers))
 
 
 def _usage(reply: Reply) -> dict:
@@ -61,6 +53,7 @@ async def _next_or_gone(stream: AsyncRelay, request: Request) -> Event | None:
 def build_router(engine: Backend, sessions: SessionManager, model_name: str) -> APIRouter:
     """The /v1 routes over a running engine and session manager."""
     router = APIRouter()
+    router.include_router(build_sessions_router(sessions))
     started = int(time.time())
 
     def start(owner: str, sid: str | None, req: ChatRequest) -> Reply:
@@ -93,53 +86,18 @@ def build_router(engine: Backend, sessions: SessionManager, model_name: str) -> 
             }
         )
 
-    @router.post("/v1/sessions")
-    async def create_session(request: Request) -> Response:
-        try:
-            body = parse_json_object(await request.body(), required=False)
-            title = typed_field(body, "title", "str") or ""
-            system_prompt = typed_field(body, "system_prompt", "str") or ""
-            row = await asyncio.to_thread(
-                sessions.create_session, owner_of(request), title, system_prompt
-            )
-        except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style body
-            return error_response(e)
-        return JSONResponse(
-            {"id": row["id"], "object": "session", "created": int(row.get("created", time.time()))}
-        )
-
-    @router.get("/v1/sessions")
-    async def list_sessions(request: Request, q: str | None = None, limit: str = "20") -> Response:
-        """The caller's conversations, most recent first; with `q`, those whose title or
-        messages match it, best first, each with the matching snippet."""
-        try:
-            owner = owner_of(request)
-            if q is None:
-                rows = await asyncio.to_thread(sessions.list_sessions, owner)
-                data = [_session_object(r) for r in rows]
-            else:
-                if not limit.isdigit():
-                    raise InvalidRequest("limit must be a whole number")
-                hits = await asyncio.to_thread(sessions.search, owner, q, int(limit))
-                data = [
-                    {**_session_object({**h, "id": h["session_id"]}), "match": _match(h)}
-                    for h in hits
-                ]
-        except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style body
-            return error_response(e)
-        return JSONResponse({"object": "list", "data": data})
-
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         try:
+            body = parse_json_object(await request.body())
+            owner, sid = owner_of(request), request.headers.get("x-session-id")
+            if sid is not None:  # what the request leaves out, the conversation's settings say
+                settings = await asyncio.to_thread(sessions.stored_settings, owner, sid)
+                body = body if settings is None else with_session_settings(body, settings)
             req = parse_chat_request(
-                parse_json_object(await request.body()),
-                engine.max_model_len,
-                sessions.config.max_messages_per_request,
+                body, engine.max_model_len, sessions.config.max_messages_per_request
             )
-            source = await asyncio.to_thread(
-                start, owner_of(request), request.headers.get("x-session-id"), req
-            )
+            source = await asyncio.to_thread(start, owner, sid, req)
         except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style body
             return error_response(e)
         stream = AsyncRelay(source)
@@ -150,26 +108,6 @@ def build_router(engine: Backend, sessions: SessionManager, model_name: str) -> 
             raise
 
     return router
-
-
-def _session_object(row: dict) -> dict:
-    return {
-        "id": row["id"],
-        "object": "session",
-        "title": row["title"],
-        "last_active": int(row["last_active"]),
-    }
-
-
-def _match(hit: dict) -> dict:
-    """Where a search hit matched: the title, or a message (its id and role)."""
-    where = "title" if hit["message_id"] is None else "message"
-    return {
-        "in": where,
-        "message_id": hit["message_id"],
-        "role": hit["role"],
-        "snippet": hit["snippet"],
-    }
 
 
 async def _respond(

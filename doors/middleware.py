@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 STATIC_EXACT = frozenset({"/favicon.ico", "/theme.css", "/manifest.json", "/robots.txt"})
 STATIC_PREFIXES = ("/assets/", "/static/", "/svelte/", "/gradio_api/static/", "/pwa_icon")
 LOGIN_PAGE = frozenset({"/", "/config", "/login", "/logout", "/gradio_api/login_check"})
+# where a conversations file comes in (the API's import, the chat page's upload): their bodies
+# may be as large as --max-import-mb
+IMPORT_PATHS = frozenset({"/v1/sessions/import", "/gradio_api/upload"})
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,9 @@ class BodyTooLarge(ApiError):
     """Raised into the route that reads past the body cap (a chunked body has no length); an
     ApiError, so a route that turns errors into responses answers 413 without a traceback."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, flag: str = "--max-body-bytes") -> None:
         super().__init__(
-            f"Request body too large: the limit is {limit} bytes (--max-body-bytes).",
+            f"Request body too large: the limit is {limit} bytes ({flag}).",
             status=413,
             code="request_too_large",
         )
@@ -90,13 +93,19 @@ class Doors:
     """ASGI middleware: identity, the door's rule, the body cap and the anonymous cookie."""
 
     def __init__(
-        self, app: ASGIApp, config: AppConfig, resolver: Resolver, browser_ids: BrowserIds
+        self,
+        app: ASGIApp,
+        config: AppConfig,
+        resolver: Resolver,
+        browser_ids: BrowserIds,
+        max_import_bytes: int = 0,
     ) -> None:
         self.app = app
         self.auth = config.auth_file is not None
         self.open_api = not self.auth and config.api_keys_file is None
         self.metrics_token = config.metrics_token
         self.max_body = config.max_body_bytes
+        self.max_import = max(max_import_bytes, self.max_body)
         self.resolver = resolver
         self.browser_ids = browser_ids
 
@@ -110,7 +119,7 @@ class Doors:
         request = Request(scope)
         door = door_of(scope["path"])
         length = request.headers.get("content-length", "0")
-        if not length.isdigit() or int(length) > self.max_body:
+        if not length.isdigit() or int(length) > self._cap(scope)[0]:
             await self._too_large(door, scope, receive, send)
             return
         verdict = await getattr(self, f"_{door}")(request)
@@ -126,15 +135,16 @@ class Doors:
         self, door: str, verdict: Admit, scope: Scope, receive: Receive, send: Send
     ) -> None:
         received, cut, started = 0, False, False
+        cap, flag = self._cap(scope)
 
         async def capped_receive() -> Message:
             nonlocal received, cut
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_body:
+                if received > cap:
                     cut = True
-                    raise BodyTooLarge(self.max_body)
+                    raise BodyTooLarge(cap, flag)
             return message
 
         async def guarded_send(message: Message) -> None:
@@ -156,8 +166,14 @@ class Doors:
         if cut and not started:
             await self._too_large(door, scope, receive, send)
 
+    def _cap(self, scope: Scope) -> tuple[int, str]:
+        """The largest body this request may send, and the flag that sets it."""
+        if scope["method"] == "POST" and scope["path"] in IMPORT_PATHS:
+            return self.max_import, "--max-import-mb"
+        return self.max_body, "--max-body-bytes"
+
     async def _too_large(self, door: str, scope: Scope, receive: Receive, send: Send) -> None:
-        message = f"Request body too large: the limit is {self.max_body} bytes (--max-body-bytes)."
+        message = str(BodyTooLarge(*self._cap(scope)))
         if door == "api":
             response = _api_refusal(message, 413, "request_too_large")
         else:

@@ -26,6 +26,11 @@ class SessionConfig(Settings):
     # How often the sweeper looks for idle sessions; tests shorten it, operators need not.
     sweep_interval_s: float = setting(1.0, "seconds between idle sweeps", cli=False)
     max_message_chars: int = setting(32_000, "longest accepted message")
+    max_import_mb: float = setting(
+        32.0,
+        "largest conversations file accepted for import (the page's upload and "
+        "POST /v1/sessions/import); its messages may be 10x --max-message-chars",
+    )
     max_tokens_per_turn: int = setting(2048, "longer reply requests are clamped to this")
     tokens_per_minute: int = setting(
         20_000, "per-user budget of new prompt + generated tokens (0: off)"
@@ -65,6 +70,7 @@ class SessionConfig(Settings):
         need(self.kv_disk_budget_mb >= 0, "--kv-disk-budget-mb must be >= 0")
         need(self.sweep_interval_s > 0, "the sweep interval must be > 0")
         need(self.max_message_chars >= 1, "--max-message-chars must be >= 1")
+        need(self.max_import_mb > 0, "--max-import-mb must be > 0")
         need(self.max_tokens_per_turn >= 1, "--max-tokens-per-turn must be >= 1")
         need(self.tokens_per_minute >= 0, "--tokens-per-minute must be >= 0 (0: off)")
         for name in (

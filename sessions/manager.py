@@ -15,6 +15,7 @@ from engine.chat_format import ChatFormatter
 from sessions.admin import SessionFacts, SessionStats, session_facts, session_stats
 from sessions.admission import Admission
 from sessions.branch_turns import BranchTurns
+from sessions.chat_settings import ChatSettings
 from sessions.config import SessionConfig
 from sessions.errors import SessionNotFound
 from sessions.prompt import (
@@ -32,6 +33,7 @@ from sessions.shared_prompts import SharedPrompts
 from sessions.snapshots import SnapshotFiles, check_session_id
 from sessions.state import SessionState
 from sessions.store import Store
+from sessions.transfer import Transfers
 from sessions.turn import ChatTurn, TurnPlan
 from sessions.turn_life import TurnLife
 
@@ -40,9 +42,10 @@ TITLE_CHARS = 60
 ADMIN_ROWS = 200  # sessions the admin page lists, most recently active first
 
 
-class SessionManager(BranchTurns, TurnLife):
-    """Create, list, rename and delete an owner's sessions; chat in them; answer one-off
-    requests; and move idle sessions' KV to disk and back. Every call checks the owner."""
+class SessionManager(BranchTurns, TurnLife, Transfers):
+    """Create, list, rename, delete, export and import an owner's sessions; chat in them;
+    answer one-off requests; and move idle sessions' KV to disk and back. Every call checks
+    the owner."""
 
     def __init__(self, engine: Backend, config: SessionConfig, data_dir: Path) -> None:
         self.engine = engine
@@ -69,17 +72,29 @@ class SessionManager(BranchTurns, TurnLife):
         self.offload.cache_key = self._cache_key
 
     # -- sessions -----------------------------------------------------------------------
-    def create_session(self, owner: str, title: str = "", system_prompt: str = "") -> dict:
+    def create_session(
+        self,
+        owner: str,
+        title: str = "",
+        system_prompt: str = "",
+        settings: ChatSettings | None = None,
+    ) -> dict:
         """A new empty conversation for `owner` with a random 128-bit id (RateLimited at the
         per-user cap on conversations, or while the owner creates too many at once; ServerBusy
         while everyone together does: the writes queue on the one SQLite writer). The system
         prompt is kept without surrounding whitespace, as shared prompts are, so one pasted
-        with a trailing newline still matches its shared twin."""
+        with a trailing newline still matches its shared twin. `settings`: its sampling
+        settings (the page sends its sliders, which start from the owner's last choice);
+        without, its turns take what each request says (the API's way)."""
         system_prompt = clean_system_prompt(system_prompt, self.config.max_message_chars)
+        chosen = None if settings is None else settings.to_json()
         with self.admission.caps.creating(owner, self.store.count_sessions):
-            return self.store.create_session(
-                secrets.token_hex(16), owner, title[:200], system_prompt
+            row = self.store.create_session(
+                secrets.token_hex(16), owner, title[:200], system_prompt, chosen
             )
+        if chosen is not None and self.store.owner_settings(owner) != chosen:
+            self.store.put_settings(owner, None, chosen)
+        return row
 
     def list_sessions(self, owner: str) -> list[dict]:
         return self.store.list_sessions(owner)
@@ -119,6 +134,28 @@ class SessionManager(BranchTurns, TurnLife):
         text = clean_system_prompt(system_prompt, self.config.max_message_chars)
         if text != session["system_prompt"]:
             self.store.update_session(sid, system_prompt=text)
+
+    def settings(self, owner: str, sid: str) -> ChatSettings:
+        """The conversation's sampling settings (the owner's last choice for one that has
+        none of its own)."""
+        return self.stored_settings(owner, sid) or self.last_settings(owner)
+
+    def stored_settings(self, owner: str, sid: str) -> ChatSettings | None:
+        """The settings kept with the conversation, None if it has none of its own."""
+        return ChatSettings.from_json(self.get_session(owner, sid).get("settings"))
+
+    def last_settings(self, owner: str) -> ChatSettings:
+        """The settings `owner` chose last (the defaults before any): a new conversation's."""
+        return ChatSettings.from_json(self.store.owner_settings(owner)) or ChatSettings()
+
+    def set_settings(self, owner: str, sid: str | None, settings: ChatSettings) -> None:
+        """Keep `settings` with the conversation `sid` (None: no conversation yet) and as the
+        owner's last choice; unchanged settings cost no write."""
+        text = settings.to_json()
+        if sid is not None and self.get_session(owner, sid).get("settings") != text:
+            self.store.put_settings(owner, sid, text)
+        elif self.store.owner_settings(owner) != text:
+            self.store.put_settings(owner, None, text)
 
     def delete_session(self, owner: str, sid: str) -> None:
         self.get_session(owner, sid)

@@ -157,6 +157,16 @@ def m008_search(db: Database) -> None:
         db.execute(sql)
 
 
+def m009_settings(db: Database) -> None:
+    # a conversation's sampling settings (sessions.chat_settings, JSON; NULL: the owner's last
+    # choice when it was created, or the defaults) and each owner's last choice
+    db.execute("ALTER TABLE sessions ADD COLUMN settings TEXT")
+    db.execute(
+        "CREATE TABLE owner_settings"
+        " (owner TEXT PRIMARY KEY, settings TEXT NOT NULL, updated REAL NOT NULL)"
+    )
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
     m001_sessions,
     m002_messages,
@@ -166,6 +176,7 @@ MIGRATIONS: list[Callable[[Database], None]] = [
     m006_branches,
     m007_shared_prompts,
     m008_search,
+    m009_settings,
 ]
 
 

@@ -2,35 +2,28 @@
 
 from __future__ import annotations
 
-import json
+import secrets
 import time
 from pathlib import Path
 from typing import Any, Self
 
 from sqlite_utils import Database
-from sqlite_utils.db import NotFoundError
 
 from sessions.branches import END, active_path
+from sessions.importing import Conversation
 from sessions.migrations import migrate
+from sessions.records import Records, decoded, dumps
 from sessions.search import search
 from sessions.sqlite_worker import SQLiteWorker
 from sessions.state import SessionState
 
 SESSION_FIELDS = frozenset(
-    {"owner", "title", "last_active", "state", "token_count", "fingerprint", "system_prompt"}
-)
+    {
+        "owner", "title", "last_active", "state", "token_count", "fingerprint", "system_prompt",
+        "settings",
+    }
+)  # fmt: skip
 MESSAGE_FIELDS = frozenset({"role", "content", "token_count", "finish_reason"})
-
-
-def _dumps(value: dict | None) -> str | None:
-    return None if value is None else json.dumps(value, sort_keys=True)
-
-
-def _decoded(row: dict) -> dict:
-    """A row with its JSON `fingerprint` column parsed back into a dict."""
-    if isinstance(row.get("fingerprint"), str):
-        row["fingerprint"] = json.loads(row["fingerprint"])
-    return row
 
 
 def _tree(db: Database, session_id: str) -> list[dict]:
@@ -45,11 +38,11 @@ def _session_fields(fields: dict[str, Any]) -> dict[str, Any]:
     assert fields.keys() <= SESSION_FIELDS, f"unknown session fields {fields.keys()}"
     assert fields.get("state", "active") in set(SessionState), f"bad state {fields['state']!r}"
     if isinstance(fields.get("fingerprint"), dict):
-        fields = {**fields, "fingerprint": _dumps(fields["fingerprint"])}
+        fields = {**fields, "fingerprint": dumps(fields["fingerprint"])}
     return fields
 
 
-class Store:
+class Store(Records):
     """crowdchat's SQLite database: every write on one writer thread, reads on per-thread
     read-only connections (see `SQLiteWorker`). Write methods block until their transaction
     has committed and been fsynced (synchronous=FULL; see docs/RELIABILITY.md) and re-raise its
@@ -60,18 +53,11 @@ class Store:
         self.path = Path(path)
         self.sql = SQLiteWorker(self.path, setup=migrate, name="crowdchat-store-writer")
 
-    def _rows(self, table: str, where: str | None, args: list, order_by: str) -> list[dict]:
-        rows = self.sql.reader().table(table).rows_where(where, args, order_by=order_by)
-        return [_decoded(row) for row in rows]
-
-    def _get(self, table: str, key: str) -> dict | None:
-        try:
-            return _decoded(self.sql.reader().table(table).get(key))
-        except NotFoundError:
-            return None
-
-    def create_session(self, id: str, owner: str, title: str, system_prompt: str) -> dict:
-        """Insert a new active session; raises sqlite3.IntegrityError if `id` exists."""
+    def create_session(
+        self, id: str, owner: str, title: str, system_prompt: str, settings: str | None = None
+    ) -> dict:
+        """Insert a new active session; raises sqlite3.IntegrityError if `id` exists.
+        `settings`: its sampling settings as JSON (sessions.chat_settings)."""
         now = time.time()
         row = {
             "id": id,
@@ -83,6 +69,7 @@ class Store:
             "token_count": 0,
             "fingerprint": None,
             "system_prompt": system_prompt,
+            "settings": settings,
         }
         self.sql.write(lambda db: db.table("sessions").insert(row))
         return dict(row)
@@ -103,7 +90,7 @@ class Store:
         """The `limit` most recently active sessions, most recent first (read in index order,
         whatever the number of sessions)."""
         sql = "SELECT * FROM sessions ORDER BY last_active DESC, created DESC LIMIT ?"
-        return [_decoded(row) for row in self.sql.reader().query(sql, [limit])]
+        return [decoded(row) for row in self.sql.reader().query(sql, [limit])]
 
     def sessions_starting(self, prefix: str, limit: int) -> list[str]:
         """Ids of up to `limit` sessions whose id starts with the hex `prefix`."""
@@ -126,22 +113,72 @@ class Store:
         rows = self.sql.reader().execute("SELECT state, n FROM session_counts WHERE n > 0")
         return dict(rows.fetchall())
 
-    def snapshot_totals(self) -> tuple[int, int]:
-        """(snapshot rows, their bytes), kept by triggers (no scan)."""
-        return self.sql.reader().execute("SELECT files, bytes FROM snapshot_totals").fetchone()
-
-    def snapshot_bytes(self, session_ids: list[str]) -> dict[str, int]:
-        """session id -> its snapshot's bytes, for those of `session_ids` that have one."""
-        if not session_ids:
-            return {}
-        marks = ", ".join("?" * len(session_ids))
-        sql = f"SELECT session_id, bytes FROM snapshots WHERE session_id IN ({marks})"  # noqa: S608
-        return dict(self.sql.reader().execute(sql, session_ids).fetchall())
-
     def update_session(self, id: str, **fields: Any) -> None:
         """Set `fields` on session `id`; raises sqlite_utils NotFoundError if it is absent."""
         fields = _session_fields(fields)
         self.sql.write(lambda db: db.table("sessions").update(id, fields))
+
+    def owner_settings(self, owner: str) -> str | None:
+        """The settings (JSON) `owner` chose last, or None."""
+        sql = "SELECT settings FROM owner_settings WHERE owner = ?"
+        row = self.sql.reader().execute(sql, [owner]).fetchone()
+        return row[0] if row else None
+
+    def put_settings(self, owner: str, session_id: str | None, settings: str) -> None:
+        """Record `settings` (JSON) as `owner`'s last choice and, with a session id, as that
+        session's settings, in one transaction."""
+
+        def write(db: Database) -> None:
+            if session_id is not None:
+                db.table("sessions").update(session_id, {"settings": settings})
+            db.table("owner_settings").upsert(
+                {"owner": owner, "settings": settings, "updated": time.time()}, pk="owner"
+            )
+
+        self.sql.write(write)
+
+    def import_conversations(self, owner: str, conversations: list[Conversation]) -> list[str]:
+        """Write `conversations` (sessions.importing) as new cold sessions of `owner`, all in
+        one transaction: all of them or, on any error, none. Returns their new ids."""
+        rows = [
+            {
+                "id": secrets.token_hex(16),
+                "owner": owner,
+                "title": c.title,
+                "created": c.created,
+                "last_active": c.last_active,
+                "state": SessionState.COLD,
+                "token_count": 0,
+                "fingerprint": None,
+                "system_prompt": c.system_prompt,
+                "settings": c.settings,
+            }
+            for c in conversations
+        ]
+
+        def write(db: Database) -> None:
+            for row, convo in zip(rows, conversations, strict=True):
+                db.table("sessions").insert(row)
+                ids: list[int] = []
+                branch: dict[int | None, int] = {}
+                for m in convo.messages:
+                    parent = None if m.parent is None else ids[m.parent]
+                    branch[parent] = branch.get(parent, 0) + 1
+                    message = {
+                        "session_id": row["id"],
+                        "role": m.role,
+                        "content": m.content,
+                        "token_count": 0,
+                        "created": m.created,
+                        "finish_reason": m.finish_reason,
+                        "parent_id": parent,
+                        "branch": branch[parent],
+                        "selected": int(m.selected),
+                    }
+                    ids.append(db.table("messages").insert(message).last_rowid)
+
+        self.sql.write(write)
+        return [row["id"] for row in rows]
 
     def delete_session(self, id: str) -> None:
         """Delete session `id` with its messages and snapshot row (not the snapshot file)."""
@@ -236,41 +273,6 @@ class Store:
     def message_tree(self, session_id: str) -> list[dict]:
         """Every message of the session, every branch, in the order they were added."""
         return self._rows("messages", "session_id = ?", [session_id], "id")
-
-    def put_snapshot(
-        self,
-        session_id: str,
-        path: str,
-        bytes: int,
-        tokens: int,
-        token_hash: str,
-        fingerprint: dict,
-    ) -> None:
-        """Record (or replace) the session's snapshot file."""
-        row = {
-            "session_id": session_id,
-            "path": str(path),
-            "bytes": bytes,
-            "tokens": tokens,
-            "token_hash": token_hash,
-            "fingerprint": _dumps(fingerprint),
-            "created": time.time(),
-        }
-        self.sql.write(lambda db: db.table("snapshots").upsert(row, pk="session_id"))
-
-    def get_snapshot(self, session_id: str) -> dict | None:
-        """The session's snapshot record, or None."""
-        return self._get("snapshots", session_id)
-
-    def delete_snapshot(self, session_id: str) -> None:
-        """Forget the session's snapshot record (not the file)."""
-        self.sql.write(
-            lambda db: db.table("snapshots").delete_where("session_id = ?", [session_id])
-        )
-
-    def snapshots(self) -> list[dict]:
-        """Every snapshot record, oldest first (eviction order)."""
-        return self._rows("snapshots", None, [], "created, session_id")
 
     def close(self) -> None:
         """Finish queued writes, stop the writer and close every connection. Idempotent."""

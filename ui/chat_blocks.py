@@ -8,6 +8,8 @@ from ui.branch_bar import BranchBar
 from ui.chat_page import ChatPage, Screen
 from ui.keys_page import KeysSection, build_keys_section
 from ui.search_section import SearchSection
+from ui.settings_section import SettingsSection
+from ui.transfer_section import TransferSection, export_links
 
 
 def build_chat_blocks(
@@ -37,6 +39,15 @@ def build_chat_blocks(
                     with gr.Row():
                         rename_btn = gr.Button("Rename", size="sm")
                         delete_btn = gr.Button("Delete", size="sm", variant="stop")
+                with gr.Accordion("Export or import", open=False, elem_id="transfer"):
+                    links = gr.HTML(export_links(None), elem_id="export")
+                    upload = gr.UploadButton(
+                        "Import a file (.json)",
+                        file_types=[".json"],
+                        type="filepath",
+                        size="sm",
+                        elem_id="import",
+                    )
             with gr.Column(scale=4, min_width=320):
                 chatbot = gr.Chatbot(
                     label="Chat",
@@ -94,12 +105,18 @@ def build_chat_blocks(
         bar = BranchBar(page)
         bar_outputs = [branch_row, branch_label]
 
+        sampling = [temperature, top_p, max_tokens, repetition]
+        settings = SettingsSection(page)
+        transfer = TransferSection(page)
+
         def then_bar(event: object) -> None:
             """After the event (a whole streamed turn included), the switcher shows the
-            branches of what is now on screen."""
+            branches of what is now on screen, the sliders its settings and the export links
+            it."""
             event.then(bar.render, [sid, screen], bar_outputs, concurrency_limit=None)  # type: ignore[attr-defined]
+            event.then(settings.on_show, [sid], sampling, concurrency_limit=None)  # type: ignore[attr-defined]
+            event.then(transfer.on_links, [sid], [links], concurrency_limit=None)  # type: ignore[attr-defined]
 
-        sampling = [temperature, top_p, max_tokens, repetition]
         send_inputs = [box, sid, editing, system, *sampling, screen]
         # "multiple": a reply still running in a conversation the user left must not block
         # Send in the one they opened (a second Send in a busy one is refused by the session)
@@ -133,6 +150,14 @@ def build_chat_blocks(
                 show_progress="hidden",
             )
         chatbot.select(bar.on_pick, [sid, screen], bar_outputs, concurrency_limit=None)
+        for slider in sampling:  # released, not every step of a drag: each change is a write
+            slider.release(
+                settings.on_change,
+                [sid, *sampling],
+                [status],
+                concurrency_limit=None,
+                show_progress="hidden",
+            )
         stop_btn.click(page.on_stop, [sid], None, concurrency_limit=None, show_progress="hidden")
         edit_btn.click(page.on_edit, [sid], [box, editing, status], concurrency_limit=None)
         then_bar(
@@ -160,6 +185,7 @@ def build_chat_blocks(
                 concurrency_limit=None,
             )
         )
+        upload.upload(transfer.on_import, [upload], [convos, status], concurrency_limit=None)
         rename_btn.click(page.on_rename, [sid, title], [convos, title], concurrency_limit=None)
         deleted = delete_btn.click(
             page.on_delete,

@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import gradio as gr
 
 from doors.browser_id import COOKIE, BrowserIds
-from engine import CrowdchatError, SamplingParams
+from engine import CrowdchatError
 from sessions import SessionManager
+from sessions.chat_settings import ChatSettings
 from ui.reply_stream import ReplyStream, Screen, to_chatbot
 
 
@@ -125,14 +126,15 @@ class ChatPage(ReplyStream):
         return msgs[-1]["content"], True, "Editing your last message: change it and press Send."
 
     # -- turns --------------------------------------------------------------------------
-    def params(
+    def settings(
         self, temperature: float, top_p: float, max_tokens: float, repetition: float = 1.0
-    ) -> SamplingParams:
-        return SamplingParams(
-            temperature=float(temperature),
-            top_p=float(top_p),
-            max_new_tokens=int(max_tokens),
-            repetition_penalty=float(repetition),
+    ) -> ChatSettings:
+        """The settings sliders' values (InvalidRequest for values out of range)."""
+        return ChatSettings(
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            repetition_penalty=repetition,
         )
 
     def on_send(
@@ -151,13 +153,15 @@ class ChatPage(ReplyStream):
         """Outputs: chatbot, status, textbox, sid, conversation list, editing."""
         owner = self.owner(request)
         try:
-            params = self.params(temperature, top_p, max_tokens, repetition)
+            settings = self.settings(temperature, top_p, max_tokens, repetition)
+            params = settings.params()
             if not sid:
                 if not (message or "").strip():
                     raise CrowdchatError("Please type a message first.")
-                sid = self.sm.create_session(owner, system_prompt=system_prompt or "")["id"]
-            else:
+                sid = self.sm.create_session(owner, "", system_prompt or "", settings)["id"]
+            else:  # the box and the sliders are the conversation's: kept with it
                 self.sm.set_system_prompt(owner, sid, system_prompt or "")
+                self.sm.set_settings(owner, sid, settings)
             if editing:
                 turn = self.sm.edit_last(owner, sid, message, params)
             else:
@@ -197,8 +201,9 @@ class ChatPage(ReplyStream):
             return
         try:
             shown = to_chatbot(self.sm.messages(owner, sid))
-            params = self.params(temperature, top_p, max_tokens, repetition)
-            turn = self.sm.regenerate(owner, sid, params)
+            settings = self.settings(temperature, top_p, max_tokens, repetition)
+            self.sm.set_settings(owner, sid, settings)
+            turn = self.sm.regenerate(owner, sid, settings.params())
             if shown and shown[-1]["role"] == "assistant":
                 shown.pop()  # the new reply streams in its place; the old one stays a branch
         except CrowdchatError as e:

@@ -1,0 +1,60 @@
+"""Conversations in and out of crowdchat: export as Markdown or JSON, import from a file
+(mixed into SessionManager; the formats live in sessions.export and sessions.importing)."""
+
+from __future__ import annotations
+
+from engine import InvalidRequest
+from sessions.chat_settings import ChatSettings
+from sessions.export import conversation_json, conversation_markdown, export_file, file_name
+from sessions.importing import parse_import
+
+# an imported message may be longer than one a user types (a long reply of another service)
+IMPORTED_CHARS_PER_TYPED = 10
+
+
+class Transfers:
+    """Export and import of an owner's conversations; every call checks the owner. A part of
+    `SessionManager` (it uses the manager's store, config, `get_session` and settings)."""
+
+    def export_json(self, owner: str, sid: str | None = None) -> dict:
+        """The conversation `sid` (None: every one of the owner's) as crowdchat's export file:
+        every branch, the settings and the timestamps."""
+        rows = [self.get_session(owner, sid)] if sid else self.store.list_sessions(owner)
+        return export_file(
+            [
+                conversation_json(row, self.store.message_tree(row["id"]), self._settings(row))
+                for row in rows
+            ]
+        )
+
+    def export_markdown(self, owner: str, sid: str) -> tuple[str, str]:
+        """(file name, Markdown) of the conversation's active branch."""
+        row = self.get_session(owner, sid)
+        text = conversation_markdown(row, self.store.message_tree(sid))
+        return file_name(row["title"], ".md"), text
+
+    def import_file(self, owner: str, data: bytes) -> tuple[list[str], int]:
+        """Bring in the conversations of an export file (crowdchat's, or ChatGPT's
+        conversations.json) as new conversations of `owner`: all of them, or none with
+        InvalidRequest saying what is wrong with the file (or that it would take the owner
+        past the per-user cap on conversations). Returns their ids and how many messages
+        were left out (ChatGPT's tool messages and images)."""
+        parsed = parse_import(
+            data,
+            int(self.config.max_import_mb * 1e6),
+            IMPORTED_CHARS_PER_TYPED * self.config.max_message_chars,
+        )
+        n = len(parsed.conversations)
+        if n == 0:
+            raise InvalidRequest("the file holds no conversation")
+        cap, have = self.config.max_sessions_per_user, self.store.count_sessions(owner)
+        if cap and have + n > cap:
+            raise InvalidRequest(
+                f"the file holds {n} conversations and you have {have}; the limit is {cap} "
+                "per user: delete some first, or import fewer"
+            )
+        return self.store.import_conversations(owner, parsed.conversations), parsed.skipped
+
+    def _settings(self, row: dict) -> dict | None:
+        stored = ChatSettings.from_json(row.get("settings"))
+        return None if stored is None else stored.as_dict()
