@@ -17,7 +17,8 @@ import httpx
 from gradio_client import Client
 
 from bench.crash_checks import Ack
-from bench.load import QUESTIONS, ReplyCount, stream_body
+from bench.load import QUESTIONS
+from bench.stream_client import ReplyCount, stream_body
 
 
 @dataclass

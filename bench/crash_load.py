@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.crash_checks import read_db, snapshot_mismatch  # noqa: E402
 from bench.crash_crowd import Crowd, Tally  # noqa: E402
 from bench.crash_report import Run, brief, check, judge, summarize  # noqa: E402
-from bench.load import ROOT, free_port  # noqa: E402
+from bench.server import ROOT, free_port  # noqa: E402
 
 EXACT = ["--quant", "none", "--dtype", "float32"]  # restored == recomputed but at near ties
 # small and quick: idle KV goes to disk within the run, a small pool makes evictions happen

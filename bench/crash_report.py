@@ -26,9 +26,9 @@ from bench.crash_checks import (
     transcript,
 )
 from bench.crash_crowd import Crowd, Tally
-from bench.load import ReplyCount, stream_body
 from bench.mixed import cpu_name
 from bench.near_tie import judge_misses, near_tie
+from bench.stream_client import ReplyCount, stream_body
 
 
 @dataclass

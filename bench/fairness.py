@@ -1,11 +1,11 @@
 """Does one heavy user starve the others? Each scenario under --schedule fcfs and fair, over HTTP.
 
-crowdchat is started by this script (bench/load.py's `Server`), once per policy and scenario,
+crowdchat is started by this script (bench/server.py's `Server`), once per policy and scenario,
 with the same flags but `--schedule`; the per-identity caps are raised (those of
 `--tokens-per-minute`, `--max-turns-per-user`, ... that this build has) so the scheduler, not
 the caps, is measured. Each owner is a client of its own (anonymous mode: a client is its
-address, `load.client_headers`); requests are one-off completions (no session), streamed, EOS
-ignored.
+address, `stream_client.client_headers`); requests are one-off completions (no session),
+streamed, EOS ignored.
 
 - Protection: 4 light users in a closed loop (one request at a time, ~100-token prompt, 64 new
   tokens), first alone, then beside one heavy owner keeping 8 requests in flight (~1,500-token
@@ -38,8 +38,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.load import ROOT, ReplyCount, Server, client_headers, pct, stream_body  # noqa: E402
+from bench.load import pct  # noqa: E402
 from bench.mixed import cpu_name  # noqa: E402
+from bench.server import ROOT, Server  # noqa: E402
+from bench.stream_client import ReplyCount, client_headers, stream_body  # noqa: E402
 from engine.core.fair_share import max_min_share  # noqa: E402
 
 # Per-identity caps off (0) where this build has the flag: the scheduler is what is measured.

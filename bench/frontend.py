@@ -24,9 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: bench/ is then first on the path, not the root
 
-from bench.load import Server, run_point  # noqa: E402
+from bench.load import run_point  # noqa: E402
 from bench.peers import provenance  # noqa: E402
 from bench.scale import Front, add_stream_interval, emit  # noqa: E402
+from bench.server import Server  # noqa: E402
 from bench.vllm_cpu import CACHE, prepare_lock, prepare_model  # noqa: E402
 from tests.fake_upstream import FakeReplica  # noqa: E402
 

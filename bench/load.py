@@ -12,24 +12,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import random
 import secrets
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 import numpy as np
-import psutil
-from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.server import Server  # noqa: E402
+from bench.stream_client import ReplyCount, client_headers, stream_body  # noqa: E402
+
 QUESTIONS = [
     "Tell me about the history of the bicycle.",
     "What makes a good cup of tea?",
@@ -44,95 +42,6 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(float(np.percentile(xs, q)), 4) if xs else None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# crowdchat started by a bench takes each bench user's X-Forwarded-For as the client's address
-PROXY_ARGS = ["--trusted-proxy", "127.0.0.1"]
-
-
-def client_address(name: str) -> str:
-    """An address of client `name`'s own, in 198.18.0.0/15 (RFC 2544's range for benchmarks)."""
-    n = int.from_bytes(hashlib.sha256(name.encode()).digest()[:2], "big")
-    return f"198.18.{n >> 8}.{n & 255}"
-
-
-def client_headers(key: str) -> dict[str, str]:
-    """Bench user `key`'s headers: its bearer, and its `client_address` as a proxy would
-    forward it. In crowdchat's open API a client is its address, and the bench's users stand
-    for different clients: a crowdchat started with PROXY_ARGS (as `Server` and peers.py start
-    it) believes the header; other servers ignore it."""
-    return {"Authorization": f"Bearer {key}", "X-Forwarded-For": client_address(key)}
-
-
-class Server:
-    """crowdchat in a subprocess (behind PROXY_ARGS), or a server someone else runs (--base)."""
-
-    def __init__(self, base: str | None, server_args: list[str]) -> None:
-        self.proc: subprocess.Popen | None = None
-        if base:
-            self.base = base.rstrip("/")
-            return
-        port = free_port()
-        data = tempfile.mkdtemp(prefix="crowdchat-load-")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(ROOT / "app.py"),
-                "--port",
-                str(port),
-                "--data-dir",
-                data,
-                *PROXY_ARGS,
-                *server_args,
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        self.base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.base + "/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        raise SystemExit("crowdchat did not start")
-
-    def rss_mb(self) -> float | None:
-        if self.proc is None:
-            return None
-        return psutil.Process(self.proc.pid).memory_info().rss / 2**20
-
-    def metrics(self) -> dict[str, float]:
-        """crowdchat's counters; empty for a server without (compatible) Prometheus metrics."""
-        r = httpx.get(self.base + "/metrics", timeout=10)
-        if r.status_code != 200 or not r.headers.get("content-type", "").startswith("text/plain"):
-            return {}
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(r.text):
-            for s in family.samples:
-                key = s.name + (
-                    ""
-                    if not s.labels
-                    else "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
-                )
-                out[key] = s.value
-        return out
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
 class Stats:
     def __init__(self) -> None:
         self.tokens = 0
@@ -140,54 +49,6 @@ class Stats:
         self.ttft_by_kv: dict[str, list[float]] = {}
         self.errors: Counter[str] = Counter()
         self.user_rates: list[float] = []
-
-
-class ReplyCount:
-    """One streamed reply's tokens and text: the usage chunk's count when the server sends one,
-    else one token per content chunk (the servers loaded here stream a token per chunk)."""
-
-    def __init__(self) -> None:
-        self.usage: int | None = None
-        self.chunks = 0
-        self.parts: list[str] = []
-        self.failed = False
-
-    def feed(self, line: str) -> bool:
-        """Take one SSE line; True when it carried reply text."""
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            return False
-        event = json.loads(line[6:])
-        if "error" in event:
-            self.failed = True
-            return False
-        if event.get("usage"):
-            self.usage = event["usage"]["completion_tokens"]
-        content = (event.get("choices") or [{}])[0].get("delta", {}).get("content")
-        if content:
-            self.chunks += 1
-            self.parts.append(content)
-        return bool(content)
-
-    @property
-    def tokens(self) -> int:
-        return self.chunks if self.usage is None else self.usage
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
-
-
-def stream_body(messages: list[dict[str, str]], new_tokens: int) -> dict:
-    """A streamed chat request of exactly `new_tokens` tokens (EOS ignored), usage included."""
-    return {
-        "messages": messages,
-        "stream": True,
-        "max_tokens": new_tokens,
-        "min_tokens": new_tokens,
-        "ignore_eos": True,
-        "temperature": 0.8,
-        "stream_options": {"include_usage": True},
-    }
 
 
 async def one_turn(

@@ -31,7 +31,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: bench/ is then first on the path, not the root
 
-from bench.load import PROXY_ARGS, Server, free_port, run_point  # noqa: E402
+from bench.load import run_point  # noqa: E402
+from bench.server import PROXY_ARGS, Server, free_port  # noqa: E402
 from bench.vllm_cpu import (  # noqa: E402
     VLLM_PIN,
     VllmSpec,
@@ -126,7 +127,7 @@ def run_server(name: str, users: list[int], args: argparse.Namespace, ready: dic
     if name == "crowdchat":
         port, data = free_port(), tempfile.mkdtemp(prefix="crowdchat-peers-")
         cmd = [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--data-dir", data]
-        cmd += PROXY_ARGS  # each bench user is a client of its own (load.client_headers)
+        cmd += PROXY_ARGS  # each bench user is a client of its own (stream_client.client_headers)
         try:
             with serving(name, cmd + args.crowdchat_args.split(), port, "/v1/models", logs) as b:
                 return measure(name, b, users, args)

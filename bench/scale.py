@@ -33,8 +33,10 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: bench/ is then first on the path, not the root
 
-from bench.load import PROXY_ARGS, Server, client_headers, free_port, run_point  # noqa: E402
+from bench.load import run_point  # noqa: E402
 from bench.peers import provenance  # noqa: E402
+from bench.server import PROXY_ARGS, Server, free_port  # noqa: E402
+from bench.stream_client import client_headers  # noqa: E402
 from bench.vllm_cpu import (  # noqa: E402
     CACHE,
     VLLM_PIN,

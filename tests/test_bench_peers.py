@@ -9,8 +9,8 @@ from pathlib import Path
 import psutil
 
 from bench import peers
-from bench.load import ReplyCount
 from bench.peers import machine, run_server, sdist_url, summarize
+from bench.stream_client import ReplyCount
 
 
 def sse(event: dict) -> str:

@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.load import client_headers, free_port
+from bench.server import free_port
+from bench.stream_client import client_headers
 from bench.vllm_cpu import (
     Launched,
     VllmSpec,

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.load import client_headers
+from bench.stream_client import client_headers
 from bench.vllm_cpu import CACHE, Launched
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +11,8 @@ from pathlib import Path
 import uvicorn
 
 from app import AppConfig, build_app
-from bench.load import client_address
+from bench.server import free_port
+from bench.stream_client import client_address
 from engine.model.loader import LoadedModel
 from tests.conftest import close_sessions, make_sessions
 
@@ -21,7 +21,7 @@ PROXY = "127.0.0.1"  # trusted_proxy=PROXY: the suite's clients come through a p
 
 
 def client_at(name: str) -> dict[str, str]:
-    """The headers of API client `name` at an address of its own (bench.load's
+    """The headers of API client `name` at an address of its own (bench.stream_client's
     `client_address`), forwarded by the proxy of a server started with `trusted_proxy=PROXY`:
     in the open API a client is its address."""
     return {"X-Forwarded-For": client_address(name)}
@@ -30,12 +30,6 @@ def client_at(name: str) -> dict[str, str]:
 def bearer(key: str) -> dict[str, str]:
     """The Authorization header of API key `key`."""
     return {"Authorization": f"Bearer {key}"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
