@@ -69,8 +69,9 @@ class Store(Records):
             "token_count": 0,
             "fingerprint": None,
             "system_prompt": system_prompt,
-            "settings": settings,
         }
+        if settings is not None:  # a column of migration 009
+            row["settings"] = settings
         self.sql.write(lambda db: db.table("sessions").insert(row))
         return dict(row)
 

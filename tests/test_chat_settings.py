@@ -67,6 +67,13 @@ def browser(page: ChatPage) -> gr.Request:
     return gr.Request(cookies={COOKIE: value})
 
 
+def shown(section: SettingsSection, sid: str | None, me: gr.Request) -> tuple:
+    """The sliders' values once the tab has opened `sid` (None: a new chat)."""
+    screen = Screen()
+    screen.sid = sid
+    return section.on_show(sid, screen, me)
+
+
 def send(page: ChatPage, me: gr.Request, sid: str | None, s: ChatSettings) -> str:
     *_, last = page.on_send("Hi there", sid, False, "", *slider_values(s), Screen(), me)
     assert not last[1].startswith("Error"), last[1]
@@ -77,19 +84,23 @@ def test_each_conversation_keeps_its_own_settings_and_new_ones_start_from_the_la
     page: ChatPage, tmp_path: Path
 ) -> None:
     section, me, other = SettingsSection(page), browser(page), browser(page)
-    assert section.on_show(None, me) == slider_values(ChatSettings())  # before any choice
+    assert shown(section, None, me) == slider_values(ChatSettings())  # before any choice
     cool = send(page, me, None, COOL)
     warm = send(page, me, None, WARM)
-    assert section.on_show(cool, me) == slider_values(COOL)
-    assert section.on_show(warm, me) == slider_values(WARM)
-    assert section.on_show(None, me) == slider_values(WARM)  # a new chat: the last choice
-    assert section.on_show(None, other) == slider_values(ChatSettings())  # not another's
+    assert shown(section, cool, me) == slider_values(COOL)
+    assert shown(section, warm, me) == slider_values(WARM)
+    assert shown(section, None, me) == slider_values(WARM)  # a new chat: the last choice
+    assert shown(section, None, other) == slider_values(ChatSettings())  # not another's
     # moving a slider keeps it with the open conversation at once
     assert section.on_change(cool, 0.9, 0.5, 48, 1.3, me) == ""
-    assert section.on_show(cool, me)[0] == 0.9 and section.on_show(warm, me)[0] == 1.4
-    assert section.on_show(None, me)[0] == 0.9
+    assert shown(section, cool, me)[0] == 0.9 and shown(section, warm, me)[0] == 1.4
+    assert shown(section, None, me)[0] == 0.9
     assert section.on_change(cool, 7, 0.5, 48, 1.3, me).startswith("Error: temperature")
-    assert section.on_show(cool, me)[0] == 0.9  # the bad value was not kept
+    assert shown(section, cool, me)[0] == 0.9  # the bad value was not kept
+    # a late answer for a conversation the tab has left paints nothing
+    elsewhere = Screen()
+    elsewhere.sid = warm
+    assert section.on_show(cool, elsewhere, me) == (gr.skip(),) * 4
     # another browser cannot read or write them
     owner = page.owner(me)
     assert section.on_change(cool, 0.1, 0.5, 48, 1.3, other).startswith("Error")

@@ -113,9 +113,10 @@ def build_chat_blocks(
             """After the event (a whole streamed turn included), the switcher shows the
             branches of what is now on screen, the sliders its settings and the export links
             it."""
+            quiet = {"concurrency_limit": None, "show_progress": "hidden"}
             event.then(bar.render, [sid, screen], bar_outputs, concurrency_limit=None)  # type: ignore[attr-defined]
-            event.then(settings.on_show, [sid], sampling, concurrency_limit=None)  # type: ignore[attr-defined]
-            event.then(transfer.on_links, [sid], [links], concurrency_limit=None)  # type: ignore[attr-defined]
+            event.then(settings.on_show, [sid, screen], sampling, **quiet)  # type: ignore[attr-defined]
+            event.then(transfer.on_links, [sid], [links], **quiet)  # type: ignore[attr-defined]
 
         send_inputs = [box, sid, editing, system, *sampling, screen]
         # "multiple": a reply still running in a conversation the user left must not block

@@ -7,7 +7,7 @@ from __future__ import annotations
 import gradio as gr
 
 from engine import CrowdchatError
-from ui.chat_page import ChatPage
+from ui.chat_page import ChatPage, Screen
 
 
 class SettingsSection:
@@ -17,10 +17,14 @@ class SettingsSection:
         self.page = page
         self.sm = page.sm
 
-    def on_show(self, sid: str | None, request: gr.Request) -> tuple:
+    def on_show(self, sid: str | None, screen: Screen, request: gr.Request) -> tuple:
         """Outputs: temperature, top-p, max new tokens, repetition penalty: the open
-        conversation's settings, or the user's last choice for a new one."""
+        conversation's settings, or the user's last choice for a new one. Nothing once the
+        tab shows another conversation (a late answer for one it left must not paint over
+        the one it opened: a Send would keep them with it)."""
         owner = self.page.owner(request)
+        if sid != screen.sid:
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
         try:
             settings = self.sm.settings(owner, sid) if sid else self.sm.last_settings(owner)
         except CrowdchatError:  # deleted meanwhile in another tab: leave the sliders be

@@ -1,0 +1,95 @@
+"""A real browser on the chat page's per-conversation settings, its export links and its import
+upload (Debian chromium driven by Playwright, as tests/test_browser.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from playwright.sync_api import Browser, Page, expect
+
+from tests.browser_rig import ARTIFACTS, loaded, open_conversation, open_settings, set_max_tokens
+from tests.test_transfer import chatgpt_conversation
+
+
+def max_tokens_shown(page: Page) -> str:
+    return page.locator("#max-tokens input[type=number]").input_value()
+
+
+def upload_file(page: Page, path: Path) -> None:
+    with page.expect_file_chooser() as chooser:
+        page.locator("#import").click()
+    chooser.value.set_files(str(path))
+
+
+def send(page: Page, text: str) -> None:
+    page.locator("#message textarea").fill(text)
+    page.locator("#send").click()
+    expect(page.locator("#chatbot")).to_contain_text(text, timeout=30_000)
+    expect(page.locator("#status")).to_have_text("", timeout=120_000)  # the reply ended
+
+
+def test_each_conversation_shows_its_own_settings(browser: Browser, server: tuple) -> None:
+    url, _engine, sm = server
+    context = browser.new_context(viewport={"width": 1100, "height": 1000})
+    page = context.new_page()
+    page.goto(url + "/")
+    loaded(page)
+    open_settings(page)
+    set_max_tokens(page, 32)
+    send(page, "Settings one: say hi.")
+    page.locator("#new-chat").click()
+    expect(page.locator("#chatbot")).not_to_contain_text("Settings one", timeout=10_000)
+    expect(page.locator("#max-tokens input[type=number]")).to_have_value("32")  # last choice
+    set_max_tokens(page, 48)
+    send(page, "Settings two: say hi.")
+    open_conversation(page, "Settings one", "Settings one")
+    expect(page.locator("#max-tokens input[type=number]")).to_have_value("32", timeout=10_000)
+    open_conversation(page, "Settings two", "Settings two")
+    expect(page.locator("#max-tokens input[type=number]")).to_have_value("48", timeout=10_000)
+    page.reload()
+    loaded(page)
+    open_settings(page)
+    open_conversation(page, "Settings one", "Settings one")
+    expect(page.locator("#max-tokens input[type=number]")).to_have_value("32", timeout=10_000)
+    rows = {r["title"]: r for r in sm.store.all_sessions() if r["title"].startswith("Settings")}
+    stored = {t: json.loads(r["settings"])["max_tokens"] for t, r in rows.items()}
+    assert stored == {"Settings one: say hi.": 32, "Settings two: say hi.": 48}
+    context.close()
+
+
+def test_export_links_download_and_an_upload_imports(
+    browser: Browser, server: tuple, tmp_path: Path
+) -> None:
+    url, _engine, _sm = server
+    context = browser.new_context(viewport={"width": 1100, "height": 1000}, accept_downloads=True)
+    page = context.new_page()
+    page.goto(url + "/")
+    loaded(page)
+    send(page, "Export me: name a fruit.")
+    page.locator("#transfer").get_by_role("button").first.click()
+    expect(page.locator("#export-md")).to_be_visible(timeout=10_000)
+    with page.expect_download() as got:
+        page.locator("#export-md").click()
+    markdown = Path(got.value.path()).read_text(encoding="utf-8")
+    assert "## You\n\nExport me: name a fruit." in markdown and "## Assistant" in markdown
+    with page.expect_download() as got:
+        page.locator("#export-all").click()
+    everything = json.loads(Path(got.value.path()).read_text(encoding="utf-8"))
+    assert [c["title"] for c in everything["conversations"]] == ["Export me: name a fruit."]
+    # ChatGPT's conversations.json comes in through the upload button
+    upload = tmp_path / "conversations.json"
+    upload.write_text(json.dumps([chatgpt_conversation()]), encoding="utf-8")
+    upload_file(page, upload)
+    expect(page.locator("#status")).to_contain_text("Imported 1 conversation", timeout=30_000)
+    expect(page.locator("#convos")).to_contain_text("Trip to Porto")
+    open_conversation(page, "Trip to Porto", "Try a francesinha.")
+    page.screenshot(path=str(ARTIFACTS / "import.png"), full_page=True)
+    # a bad file says why, and imports nothing
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "crowdchat", "version": 1, "conversations": [{"messages": '
+                   '[{"id": 1, "role": "wizard", "content": "hi"}]}]}')  # fmt: skip
+    upload_file(page, bad)
+    expect(page.locator("#status")).to_contain_text("nothing was imported", timeout=30_000)
+    expect(page.locator("#status")).to_contain_text("unknown role 'wizard'")
+    context.close()
