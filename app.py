@@ -23,6 +23,7 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from api.downloads import build_download_router
 from api.metrics import build_metrics_router
 from api.openai_api import build_router
+from api.shares import build_share_router
 from doors.browser_id import BrowserIds, secret_file
 from doors.config import AppConfig
 from doors.identity import Resolver, identity_of
@@ -76,9 +77,11 @@ def build_app(
     resolver = Resolver(users, keys, config.api_keys_file)
     throttle = LoginThrottle(config.login_failures_per_name, config.login_failures_per_address)
     browser_ids = BrowserIds(secret_file(data_dir / "cookie.key"), config.new_identities_per_minute)
-    app.include_router(build_router(engine, sessions, engine.model_id))
+    sharing = config.share_links != "off"
+    app.include_router(build_router(engine, sessions, engine.model_id, sharing))
     app.include_router(build_metrics_router(engine, sessions))
     app.include_router(build_download_router(sessions))  # the chat page's export links
+    app.include_router(build_share_router(sessions, sharing))  # share links' readers
     monitor = Monitor(engine, sessions)
     css = [STATIC / "crowdchat.css"]
     admin_password = config.admin_secret()
@@ -119,7 +122,9 @@ def build_app(
         browser_ids=browser_ids,
     )
     section = KeysSection(keys, page) if users is not None else None
-    chat = build_chat_blocks(page, concurrency=engine.max_num_seqs, keys=section)
+    chat = build_chat_blocks(
+        page, concurrency=engine.max_num_seqs, keys=section, share_links=sharing
+    )
     chat.queue(
         default_concurrency_limit=engine.max_num_seqs,
         max_size=engine.max_queue + engine.max_num_seqs,

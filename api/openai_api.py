@@ -50,10 +50,12 @@ async def _next_or_gone(stream: AsyncRelay, request: Request) -> Event | None:
                 return None
 
 
-def build_router(engine: Backend, sessions: SessionManager, model_name: str) -> APIRouter:
+def build_router(
+    engine: Backend, sessions: SessionManager, model_name: str, share_links: bool = True
+) -> APIRouter:
     """The /v1 routes over a running engine and session manager."""
     router = APIRouter()
-    router.include_router(build_sessions_router(sessions))
+    router.include_router(build_sessions_router(sessions, share_links))
     started = int(time.time())
 
     def start(owner: str, sid: str | None, req: ChatRequest) -> Reply:

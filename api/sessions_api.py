@@ -74,8 +74,9 @@ def markdown_attachment(name: str, text: str) -> Response:
     return _attachment(text, name, "text/markdown; charset=utf-8")
 
 
-def build_sessions_router(sessions: SessionManager) -> APIRouter:
-    """The /v1/sessions routes over a session manager."""
+def build_sessions_router(sessions: SessionManager, share_links: bool = True) -> APIRouter:
+    """The /v1/sessions routes over a session manager (`share_links`: --share-links is not
+    off)."""
     router = APIRouter()
 
     async def answer(request: Request, work: Callable[[str], Any]) -> Response:
@@ -212,7 +213,46 @@ def build_sessions_router(sessions: SessionManager) -> APIRouter:
 
         return await answer(request, export)
 
+    @router.post("/v1/sessions/{sid}/shares")
+    async def share(request: Request, sid: str) -> Response:
+        """A read-only link to the conversation's active branch as it is now."""
+
+        def create(owner: str) -> dict:
+            if not share_links:
+                raise InvalidRequest("share links are off on this server (--share-links)")
+            return _share_object(sessions.share(owner, sid))
+
+        return await answer(request, create)
+
+    @router.get("/v1/sessions/{sid}/shares")
+    async def list_shares(request: Request, sid: str) -> Response:
+        def listed(owner: str) -> dict:
+            return {
+                "object": "list",
+                "data": [_share_object(s) for s in sessions.shares(owner, sid)],
+            }
+
+        return await answer(request, listed)
+
+    @router.delete("/v1/shares/{token}")
+    async def revoke_share(request: Request, token: str) -> Response:
+        def revoke(owner: str) -> dict:
+            sessions.revoke_share(owner, token)
+            return {"id": token, "object": "share", "deleted": True}
+
+        return await answer(request, revoke)
+
     return router
+
+
+def _share_object(row: dict) -> dict:
+    return {
+        "id": row["token"],
+        "object": "share",
+        "session_id": row["session_id"],
+        "created": int(row["created"]),
+        "path": f"/share/{row['token']}",
+    }
 
 
 def _match(hit: dict) -> dict:

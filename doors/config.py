@@ -10,6 +10,8 @@ from typing import ClassVar
 from engine.errors import InvalidRequest
 from engine.settings import Settings, setting
 
+SHARE_LINKS = ("signed-in", "public", "off")
+
 
 @dataclass(frozen=True)
 class AppConfig(Settings):
@@ -48,6 +50,13 @@ class AppConfig(Settings):
         "X-Forwarded-For and X-Forwarded-Proto are believed; off: the connecting address is "
         "the client, whatever headers it sends",
     )
+    share_links: str = setting(
+        "signed-in",
+        "who may open a conversation's read-only share link: signed-in (with --auth a "
+        "signed-in user; without, any browser of the chat page), public (anyone holding the "
+        "link), off (no links are made or shown)",
+        choices=SHARE_LINKS,
+    )
     max_body_bytes: int = setting(1 << 20, "largest accepted request body; beyond: HTTP 413")
     new_identities_per_minute: int = setting(
         20, "new anonymous browser identities per client address per minute; beyond: HTTP 429"
@@ -70,6 +79,7 @@ class AppConfig(Settings):
                 raise InvalidRequest(f"invalid server setting: {msg}")
 
         need(bool(self.host.strip()), "--host must not be empty")
+        need(self.share_links in SHARE_LINKS, f"--share-links must be one of {SHARE_LINKS}")
         need(1 <= self.port <= 65535, f"--port must be in 1..65535, not {self.port}")
         for name, what in (
             ("auth_file", "--auth users file"),

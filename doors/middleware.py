@@ -105,6 +105,7 @@ class Doors:
         self.open_api = not self.auth and config.api_keys_file is None
         self.metrics_token = config.metrics_token
         self.max_body = config.max_body_bytes
+        self.public_shares = config.share_links == "public"
         self.max_import = max(max_import_bytes, self.max_body)
         self.resolver = resolver
         self.browser_ids = browser_ids
@@ -242,6 +243,8 @@ class Doors:
         if self.auth:
             identity = self.resolver.signed_in(request.cookies)
             if identity is None and path.rstrip("/") not in LOGIN_PAGE and path != "/":
+                if self.public_shares and path.startswith("/share/") and request.method == "GET":
+                    return Admit(None)  # --share-links public: a link reads without sign-in
                 return JSONResponse({"detail": "Not authenticated: sign in first."}, 401)
             return Admit(identity)
         browser_id = self.browser_ids.verify(request.cookies.get(COOKIE))

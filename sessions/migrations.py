@@ -167,6 +167,17 @@ def m009_settings(db: Database) -> None:
     )
 
 
+def m010_shares(db: Database) -> None:
+    # read-only links (sessions.shares): a copy of the active branch as it was when shared,
+    # JSON; `revoked` set when its owner takes it back (the copy is then dropped)
+    db.execute(
+        "CREATE TABLE shares (token TEXT PRIMARY KEY, session_id TEXT NOT NULL,"
+        " owner TEXT NOT NULL, title TEXT NOT NULL, messages TEXT, created REAL NOT NULL,"
+        " revoked REAL)"
+    )
+    db.execute("CREATE INDEX shares_session ON shares (session_id)")
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
     m001_sessions,
     m002_messages,
@@ -177,6 +188,7 @@ MIGRATIONS: list[Callable[[Database], None]] = [
     m007_shared_prompts,
     m008_search,
     m009_settings,
+    m010_shares,
 ]
 
 

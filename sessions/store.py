@@ -14,6 +14,7 @@ from sessions.importing import Conversation
 from sessions.migrations import migrate
 from sessions.records import Records, decoded, dumps
 from sessions.search import search
+from sessions.shares import Shares
 from sessions.sqlite_worker import SQLiteWorker
 from sessions.state import SessionState
 
@@ -52,6 +53,7 @@ class Store(Records):
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         self.sql = SQLiteWorker(self.path, setup=migrate, name="crowdchat-store-writer")
+        self.shares = Shares(self.sql)
 
     def create_session(
         self, id: str, owner: str, title: str, system_prompt: str, settings: str | None = None
@@ -185,6 +187,7 @@ class Store(Records):
         """Delete session `id` with its messages and snapshot row (not the snapshot file)."""
 
         def delete(db: Database) -> None:
+            self.shares.forget(db, id)
             db.table("messages").delete_where("session_id = ?", [id])
             db.table("snapshots").delete_where("session_id = ?", [id])
             db.table("sessions").delete_where("id = ?", [id])

@@ -1,12 +1,15 @@
-"""Conversations in and out of crowdchat: export as Markdown or JSON, import from a file
-(mixed into SessionManager; the formats live in sessions.export and sessions.importing)."""
+"""Conversations in and out of crowdchat: export as Markdown or JSON, import from a file, and
+read-only share links (mixed into SessionManager; the formats live in sessions.export and
+sessions.importing, the links in sessions.shares)."""
 
 from __future__ import annotations
+
+import time
 
 from engine import InvalidRequest
 from sessions.chat_settings import ChatSettings
 from sessions.export import conversation_json, conversation_markdown, export_file, file_name
-from sessions.importing import parse_import
+from sessions.importing import Conversation, Message, parse_import
 
 # an imported message may be longer than one a user types (a long reply of another service)
 IMPORTED_CHARS_PER_TYPED = 10
@@ -54,6 +57,43 @@ class Transfers:
                 "per user: delete some first, or import fewer"
             )
         return self.store.import_conversations(owner, parsed.conversations), parsed.skipped
+
+    # -- share links --------------------------------------------------------------------
+    def share(self, owner: str, sid: str) -> dict:
+        """A new read-only link to the conversation's active branch as it is now."""
+        session = self.get_session(owner, sid)
+        if not any(m["content"] for m in self.store.messages(sid)):
+            raise InvalidRequest("there is nothing to share yet: the conversation is empty")
+        return self.store.shares.create(owner, session, self.store.messages(sid))
+
+    def shares(self, owner: str, sid: str) -> list[dict]:
+        """The owner's live links to the conversation, newest first."""
+        self.get_session(owner, sid)
+        return self.store.shares.of_session(owner, sid)
+
+    def revoke_share(self, owner: str, token: str) -> None:
+        """Take a link back; SessionNotFound unless it is the owner's and live."""
+        self.store.shares.revoke(owner, token)
+
+    def read_share(self, token: str) -> dict:
+        """What a link shows (anyone holding it may read it; who may hold one is the
+        door's business): title, when it was shared, messages."""
+        return self.store.shares.read(token)
+
+    def copy_share(self, owner: str, token: str) -> str:
+        """The shared conversation as a new conversation of `owner`, to continue; the
+        original is not touched. Returns its id."""
+        shared = self.store.shares.read(token)
+        messages = [
+            Message(i - 1 if i else None, m["role"], m["content"], shared["created"])
+            for i, m in enumerate(shared["messages"])
+        ]
+        now = time.time()
+        cap, have = self.config.max_sessions_per_user, self.store.count_sessions(owner)
+        if cap and have >= cap:
+            raise InvalidRequest(f"you have {have} conversations, the limit: delete one first")
+        copy = Conversation(shared["title"], now, now, messages=messages)
+        return self.store.import_conversations(owner, [copy])[0]
 
     def _settings(self, row: dict) -> dict | None:
         stored = ChatSettings.from_json(row.get("settings"))

@@ -9,15 +9,16 @@ from ui.chat_page import ChatPage, Screen
 from ui.keys_page import KeysSection, build_keys_section
 from ui.search_section import SearchSection
 from ui.settings_section import SettingsSection
+from ui.share_section import ShareSection
 from ui.transfer_section import TransferSection, export_links
 
 
 def build_chat_blocks(
-    page: ChatPage, concurrency: int, keys: KeysSection | None = None
+    page: ChatPage, concurrency: int, keys: KeysSection | None = None, share_links: bool = True
 ) -> gr.Blocks:
     """The chat page. `concurrency`: how many users may generate at once (the engine's
     batch size), instead of Gradio's default of one event at a time. `keys`: the API keys
-    section for signed-in users."""
+    section for signed-in users. `share_links`: the share box (--share-links not off)."""
     with gr.Blocks(title="crowdchat") as demo:
         sid = gr.State(None)
         editing = gr.State(False)
@@ -39,6 +40,23 @@ def build_chat_blocks(
                     with gr.Row():
                         rename_btn = gr.Button("Rename", size="sm")
                         delete_btn = gr.Button("Delete", size="sm", variant="stop")
+                with gr.Accordion(
+                    "Share a read-only link", open=False, elem_id="share", visible=share_links
+                ):
+                    share_btn = gr.Button("Create a link", size="sm", elem_id="share-create")
+                    share_link = gr.Textbox(
+                        label="Link (a copy of the conversation as it is now)",
+                        interactive=False,
+                        buttons=["copy"],
+                        elem_id="share-link",
+                    )
+                    share_list = gr.Dropdown(
+                        choices=[],
+                        label="Live links",
+                        elem_id="share-list",
+                        allow_custom_value=False,
+                    )
+                    revoke_btn = gr.Button("Revoke", size="sm", elem_id="share-revoke")
                 with gr.Accordion("Export or import", open=False, elem_id="transfer"):
                     links = gr.HTML(export_links(None), elem_id="export")
                     upload = gr.UploadButton(
@@ -108,6 +126,7 @@ def build_chat_blocks(
         sampling = [temperature, top_p, max_tokens, repetition]
         settings = SettingsSection(page)
         transfer = TransferSection(page)
+        sharing = ShareSection(page)
 
         def then_bar(event: object) -> None:
             """After the event (a whole streamed turn included), the switcher shows the
@@ -117,6 +136,8 @@ def build_chat_blocks(
             event.then(bar.render, [sid, screen], bar_outputs, concurrency_limit=None)  # type: ignore[attr-defined]
             event.then(settings.on_show, [sid, screen], sampling, **quiet)  # type: ignore[attr-defined]
             event.then(transfer.on_links, [sid], [links], **quiet)  # type: ignore[attr-defined]
+            if share_links:
+                event.then(sharing.on_list, [sid], [share_list], **quiet)  # type: ignore[attr-defined]
 
         send_inputs = [box, sid, editing, system, *sampling, screen]
         # "multiple": a reply still running in a conversation the user left must not block
@@ -187,6 +208,11 @@ def build_chat_blocks(
             )
         )
         upload.upload(transfer.on_import, [upload], [convos, status], concurrency_limit=None)
+        share_outputs = [share_link, share_list, status]
+        share_btn.click(sharing.on_create, [sid], share_outputs, concurrency_limit=None)
+        revoke_btn.click(
+            sharing.on_revoke, [sid, share_list], share_outputs, concurrency_limit=None
+        )
         rename_btn.click(page.on_rename, [sid, title], [convos, title], concurrency_limit=None)
         deleted = delete_btn.click(
             page.on_delete,
