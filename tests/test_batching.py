@@ -13,18 +13,8 @@ from engine.model.loader import LoadedModel
 from engine.model.plan import StepPlan
 from engine.sequence import Sequence
 from tests.conftest import make_engine
+from tests.step_logits import QUESTIONS, decode_logits, first_step_logits
 
-QUESTIONS = [
-    "Hi",
-    "What is 2+2?",
-    "Write a haiku about the sea and the moon and the stars above the mountains.",
-    "Explain photosynthesis in detail, step by step, for a ten year old who loves plants.",
-    "Name three colors.",
-    "Why is the sky blue? Please answer carefully and mention Rayleigh scattering.",
-    "Tell me a joke about cats.",
-    "List the planets of the solar system in order from the sun, with one fact about each of "
-    "them, and say which one you would most like to visit and why.",
-]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=64)
 # How far (in logit standard deviations) batch shape may move nf4 logits. Measured: 0.11 on a
 # 2-core EPYC without AVX512 (float32 compute: FBGEMM's float16 dense copy blocks rows by their
@@ -65,32 +55,6 @@ def test_fp32_batched_equals_solo_equals_transformers_generate(
                 assert mine == ref[0, len(p) :].tolist()
     finally:
         model.set_attn_implementation("crowdchat_paged")
-
-
-def first_step_logits(engine, seqs: list[Sequence]) -> torch.Tensor:
-    """Prefill `seqs` together in one step and return their last-position logits."""
-    plan = StepPlan(prefills=[(s, s.num_tokens) for s in seqs])
-    for s in seqs:
-        s.block_table = engine.pool.allocate(engine.pool.blocks_for(s.num_tokens))
-    try:
-        return engine.runner.forward(plan).float()
-    finally:
-        for s in seqs:
-            engine.pool.free(s.block_table)
-
-
-def decode_logits(engine, seqs: list[Sequence]) -> torch.Tensor:
-    """Prefill each alone, then run one batched decode step of all of them."""
-    for s in seqs:
-        s.block_table = engine.pool.allocate(engine.pool.blocks_for(s.num_tokens + 1))
-        engine.runner.forward(StepPlan(prefills=[(s, s.num_tokens)]))
-        s.num_computed = s.num_tokens
-        s.token_ids.append(28)
-    try:
-        return engine.runner.forward(StepPlan(decodes=seqs)).float()
-    finally:
-        for s in seqs:
-            engine.pool.free(s.block_table)
 
 
 def test_nf4_batched_logits_match_solo_within_tolerance(

@@ -20,16 +20,9 @@ from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.model.kv_cache import kv_budget_bytes  # noqa: E402
 from engine.model.loader import LoadedModel, load_model  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
-from tests.test_batching import decode_logits, first_step_logits  # noqa: E402
+from tests.step_logits import QUESTIONS, decode_logits, first_step_logits  # noqa: E402
 
-PROMPTS = [
-    "Hi",
-    "What is 2+2?",
-    "Write a haiku about the sea and the moon and the stars above the mountains.",
-    "Explain photosynthesis in detail, step by step, for a ten year old who loves plants.",
-    "Name three colors.",
-    "Why is the sky blue? Please answer carefully and mention Rayleigh scattering.",
-]
+PROMPTS = QUESTIONS[:6]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
 
 

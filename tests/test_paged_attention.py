@@ -18,6 +18,7 @@ from engine.model.plan import StepPlan
 from engine.model.runner import decode_groups
 from engine.sequence import Sequence
 from tests.conftest import make_engine
+from tests.step_logits import decode_logits
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8)
 
@@ -75,20 +76,6 @@ def test_the_runner_pads_short_decodes_only_to_their_own_group(
     assert [pos[r] for r in rows] == [s.num_computed for s in seqs]  # logits in plan order
 
 
-def prefill_then_decode(engine, seqs: list[Sequence]) -> torch.Tensor:
-    """Prefill each alone, then run one batched decode step of all of them."""
-    for s in seqs:
-        s.block_table = engine.pool.allocate(engine.pool.blocks_for(s.num_tokens + 1))
-        engine.runner.forward(StepPlan(prefills=[(s, s.num_tokens)]))
-        s.num_computed = s.num_tokens
-        s.token_ids.append(28)
-    try:
-        return engine.runner.forward(StepPlan(decodes=seqs)).float()
-    finally:
-        for s in seqs:
-            engine.pool.free(s.block_table)
-
-
 @pytest.mark.parametrize("seed", [1])
 def test_fp32_decode_logits_agree_between_the_kernel_the_gather_paths_and_solo_runs(
     fp32_model: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int
@@ -108,14 +95,14 @@ def test_fp32_decode_logits_agree_between_the_kernel_the_gather_paths_and_solo_r
     def mk() -> list[Sequence]:
         return [Sequence(list(t), GREEDY) for t in toks]
 
-    kernel = prefill_then_decode(engine, mk())
+    kernel = decode_logits(engine, mk())
     assert engine.runner.decode_kernel is not None
     engine.runner.decode_kernel = None
-    grouped = prefill_then_decode(engine, mk())
+    grouped = decode_logits(engine, mk())
     assert len(decode_groups(sorted(n + 1 for n in lens), 16)) >= 2
-    solo = torch.cat([prefill_then_decode(engine, [s]) for s in mk()])
+    solo = torch.cat([decode_logits(engine, [s]) for s in mk()])
     monkeypatch.setattr(model_runner, "decode_groups", lambda ls, bs: [(0, len(ls))] if ls else [])
-    padded = prefill_then_decode(engine, mk())
+    padded = decode_logits(engine, mk())
     for other in (kernel, padded, solo):
         assert torch.equal(grouped.argmax(-1), other.argmax(-1))
         assert ((grouped - other).abs() / other.std(dim=-1, keepdim=True)).max() < 1e-4

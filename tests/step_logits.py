@@ -1,0 +1,48 @@
+"""One engine step's logits, run by hand on an engine's runner, for the tests that compare a
+batch with its members run alone (tests/test_batching.py, test_paged_attention.py, test_cuda.py);
+and the questions they ask."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.plan import StepPlan
+from engine.sequence import Sequence
+
+QUESTIONS = [
+    "Hi",
+    "What is 2+2?",
+    "Write a haiku about the sea and the moon and the stars above the mountains.",
+    "Explain photosynthesis in detail, step by step, for a ten year old who loves plants.",
+    "Name three colors.",
+    "Why is the sky blue? Please answer carefully and mention Rayleigh scattering.",
+    "Tell me a joke about cats.",
+    "List the planets of the solar system in order from the sun, with one fact about each of "
+    "them, and say which one you would most like to visit and why.",
+]
+
+
+def first_step_logits(engine, seqs: list[Sequence]) -> torch.Tensor:
+    """Prefill `seqs` together in one step and return their last-position logits."""
+    plan = StepPlan(prefills=[(s, s.num_tokens) for s in seqs])
+    for s in seqs:
+        s.block_table = engine.pool.allocate(engine.pool.blocks_for(s.num_tokens))
+    try:
+        return engine.runner.forward(plan).float()
+    finally:
+        for s in seqs:
+            engine.pool.free(s.block_table)
+
+
+def decode_logits(engine, seqs: list[Sequence]) -> torch.Tensor:
+    """Prefill each alone, then run one batched decode step of all of them."""
+    for s in seqs:
+        s.block_table = engine.pool.allocate(engine.pool.blocks_for(s.num_tokens + 1))
+        engine.runner.forward(StepPlan(prefills=[(s, s.num_tokens)]))
+        s.num_computed = s.num_tokens
+        s.token_ids.append(28)
+    try:
+        return engine.runner.forward(StepPlan(decodes=seqs)).float()
+    finally:
+        for s in seqs:
+            engine.pool.free(s.block_table)
