@@ -104,6 +104,14 @@ def close_sessions(engine: Engine, manager: object) -> None:
     engine.shutdown()
 
 
+@pytest.fixture
+def nf4_sessions(nf4_model: LoadedModel, tmp_path: Path) -> Iterator[tuple[Engine, SessionManager]]:
+    """An engine and a session manager (make_sessions' defaults) on the test's own data dir."""
+    engine, manager = make_sessions(nf4_model, tmp_path)
+    yield engine, manager
+    close_sessions(engine, manager)
+
+
 @pytest.fixture(scope="module")
 def live(nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """The API and /metrics on a free port over the embedded model (tests/api_rig.py)."""

@@ -112,54 +112,46 @@ def test_regenerate_keeps_the_old_reply_and_the_next_turn_follows_the_branch_sho
 
 
 def test_an_edit_is_a_sibling_of_the_original_which_comes_back_with_its_replies(
-    nf4_model: LoadedModel, tmp_path: Path
+    nf4_sessions: tuple,
 ) -> None:
-    engine, sm = make_sessions(nf4_model, tmp_path)
-    try:
-        sid = sm.create_session("u")["id"]
-        a1 = sm.chat("u", sid, Q1, FORCED)
-        a1.result()
-        a2 = sm.chat("u", sid, Q2, FORCED)
-        a2.result()
-        edit = sm.edit_last("u", sid, "Does it swim?", FORCED)
-        edit.result()
-        path = sm.messages("u", sid)
-        assert contents(path) == [Q1, a1.text, "Does it swim?", edit.text]
-        assert (path[2]["branch"], path[2]["branches"]) == (2, 2)
-        with pytest.raises(Exception, match="edited"):
-            sm.edit("u", sid, path[1]["id"], "not mine", FORCED)  # a reply is not the user's
-        sm.switch_branch("u", sid, path[2]["id"], -1)
-        assert contents(sm.messages("u", sid)) == [Q1, a1.text, Q2, a2.text]
-        first = sm.messages("u", sid)[0]
-        root_edit = sm.edit("u", sid, first["id"], "Name a small animal.", FORCED)
-        root_edit.result()
-        assert contents(sm.messages("u", sid)) == ["Name a small animal.", root_edit.text]
-        sm.switch_branch("u", sid, sm.messages("u", sid)[0]["id"], -1)
-        assert contents(sm.messages("u", sid)) == [Q1, a1.text, Q2, a2.text]
-        assert len(sm.store.message_tree(sid)) == 8
-    finally:
-        close_sessions(engine, sm)
+    engine, sm = nf4_sessions
+    sid = sm.create_session("u")["id"]
+    a1 = sm.chat("u", sid, Q1, FORCED)
+    a1.result()
+    a2 = sm.chat("u", sid, Q2, FORCED)
+    a2.result()
+    edit = sm.edit_last("u", sid, "Does it swim?", FORCED)
+    edit.result()
+    path = sm.messages("u", sid)
+    assert contents(path) == [Q1, a1.text, "Does it swim?", edit.text]
+    assert (path[2]["branch"], path[2]["branches"]) == (2, 2)
+    with pytest.raises(Exception, match="edited"):
+        sm.edit("u", sid, path[1]["id"], "not mine", FORCED)  # a reply is not the user's
+    sm.switch_branch("u", sid, path[2]["id"], -1)
+    assert contents(sm.messages("u", sid)) == [Q1, a1.text, Q2, a2.text]
+    first = sm.messages("u", sid)[0]
+    root_edit = sm.edit("u", sid, first["id"], "Name a small animal.", FORCED)
+    root_edit.result()
+    assert contents(sm.messages("u", sid)) == ["Name a small animal.", root_edit.text]
+    sm.switch_branch("u", sid, sm.messages("u", sid)[0]["id"], -1)
+    assert contents(sm.messages("u", sid)) == [Q1, a1.text, Q2, a2.text]
+    assert len(sm.store.message_tree(sid)) == 8
 
 
-def test_switching_waits_for_the_reply_and_checks_the_owner(
-    nf4_model: LoadedModel, tmp_path: Path
-) -> None:
-    engine, sm = make_sessions(nf4_model, tmp_path)
-    try:
-        sid = sm.create_session("u")["id"]
-        sm.chat("u", sid, Q1, FORCED).result()
-        turn = sm.regenerate("u", sid, FORCED)
-        reply = sm.messages("u", sid)[1]["id"]
-        with pytest.raises(SessionBusy):
-            sm.switch_branch("u", sid, reply, -1)
-        turn.result()
-        with pytest.raises(Exception, match="no such conversation"):
-            sm.switch_branch("mallory", sid, reply, -1)
-        with pytest.raises(Exception, match="no such message"):
-            sm.switch_branch("u", sid, 10**9, -1)
-        assert sm.switch_branch("u", sid, reply, +1) != reply
-    finally:
-        close_sessions(engine, sm)
+def test_switching_waits_for_the_reply_and_checks_the_owner(nf4_sessions: tuple) -> None:
+    engine, sm = nf4_sessions
+    sid = sm.create_session("u")["id"]
+    sm.chat("u", sid, Q1, FORCED).result()
+    turn = sm.regenerate("u", sid, FORCED)
+    reply = sm.messages("u", sid)[1]["id"]
+    with pytest.raises(SessionBusy):
+        sm.switch_branch("u", sid, reply, -1)
+    turn.result()
+    with pytest.raises(Exception, match="no such conversation"):
+        sm.switch_branch("mallory", sid, reply, -1)
+    with pytest.raises(Exception, match="no such message"):
+        sm.switch_branch("u", sid, 10**9, -1)
+    assert sm.switch_branch("u", sid, reply, +1) != reply
 
 
 def test_fp32_a_branch_continues_exactly_as_a_cold_recompute_of_its_tokens(

@@ -69,52 +69,42 @@ def test_persist_and_restore_change_nothing_also_across_restart(
         close_sessions(engine, sm)
 
 
-def test_a_turn_starts_its_restore_before_the_reply_is_read(
-    nf4_model: LoadedModel, tmp_path: Path
-) -> None:
+def test_a_turn_starts_its_restore_before_the_reply_is_read(nf4_sessions: tuple) -> None:
     """The KV of a persisted session comes back while the turn's prompt is built: it is
     resident before anyone iterates the turn, and the turn still says it came from disk. A
     regenerate and an edit do the same."""
-    engine, sm = make_sessions(nf4_model, tmp_path)
-    try:
-        sid = sm.create_session("u")["id"]
-        sm.chat("u", sid, Q1, GREEDY).result()
-        starts = [
-            lambda: sm.chat("u", sid, Q2, GREEDY),
-            lambda: sm.regenerate("u", sid, GREEDY),
-            lambda: sm.edit_last("u", sid, Q1, GREEDY),
-        ]
-        for start in starts:
-            assert sm.persist_now(sid) and sid not in engine.resident_kv()
-            turn = start()
-            deadline = time.monotonic() + 30
-            while sid not in engine.resident_kv() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert sid in engine.resident_kv() and turn.status == "restoring"
-            assert turn.result() and turn.restored_from == "disk"
-    finally:
-        close_sessions(engine, sm)
+    engine, sm = nf4_sessions
+    sid = sm.create_session("u")["id"]
+    sm.chat("u", sid, Q1, GREEDY).result()
+    starts = [
+        lambda: sm.chat("u", sid, Q2, GREEDY),
+        lambda: sm.regenerate("u", sid, GREEDY),
+        lambda: sm.edit_last("u", sid, Q1, GREEDY),
+    ]
+    for start in starts:
+        assert sm.persist_now(sid) and sid not in engine.resident_kv()
+        turn = start()
+        deadline = time.monotonic() + 30
+        while sid not in engine.resident_kv() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sid in engine.resident_kv() and turn.status == "restoring"
+        assert turn.result() and turn.restored_from == "disk"
 
 
-def test_opening_a_persisted_conversation_prefetches_its_kv(
-    nf4_model: LoadedModel, tmp_path: Path
-) -> None:
+def test_opening_a_persisted_conversation_prefetches_its_kv(nf4_sessions: tuple) -> None:
     """`prefetch` (the page opened the conversation) brings the KV back in the background
     and records it resident; the next turn then finds it resident."""
-    engine, sm = make_sessions(nf4_model, tmp_path)
-    try:
-        sid = sm.create_session("u")["id"]
-        sm.chat("u", sid, Q1, GREEDY).result()
-        assert sm.persist_now(sid) and sid not in engine.resident_kv()
-        sm.prefetch("u", sid)
-        deadline = time.monotonic() + 30
-        while sm.get_session("u", sid)["state"] != "resident" and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert sm.get_session("u", sid)["state"] == "resident" and sid in engine.resident_kv()
-        turn = sm.chat("u", sid, Q2, GREEDY)
-        assert turn.result() and turn.restored_from == "resident"
-    finally:
-        close_sessions(engine, sm)
+    engine, sm = nf4_sessions
+    sid = sm.create_session("u")["id"]
+    sm.chat("u", sid, Q1, GREEDY).result()
+    assert sm.persist_now(sid) and sid not in engine.resident_kv()
+    sm.prefetch("u", sid)
+    deadline = time.monotonic() + 30
+    while sm.get_session("u", sid)["state"] != "resident" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sm.get_session("u", sid)["state"] == "resident" and sid in engine.resident_kv()
+    turn = sm.chat("u", sid, Q2, GREEDY)
+    assert turn.result() and turn.restored_from == "resident"
 
 
 def test_five_users_share_a_pool_for_two_lru_first(nf4_model: LoadedModel, tmp_path: Path) -> None:

@@ -40,24 +40,21 @@ def test_a_restart_deletes_snapshots_of_conversations_that_no_longer_exist(
 
 
 def test_deleting_a_conversation_while_it_answers_leaves_no_kv_anywhere(
-    nf4_model: LoadedModel, tmp_path: Path
+    nf4_sessions: tuple,
 ) -> None:
-    engine, sm = make_sessions(nf4_model, tmp_path)
-    try:
-        s = sm.create_session("u")
-        turn = sm.chat(
-            "u",
-            s["id"],
-            "Tell me a long story.",
-            SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True),
-        )
-        stream = iter(turn)
-        next(stream)  # the reply is streaming
-        sm.delete_session("u", s["id"])
-        list(stream)  # the turn ends (stopped) after the delete
-        assert not sm.residency.offload.persist(s["id"], force=True)  # the sweeper's next try
-        assert s["id"] not in engine.resident_kv()
-        assert not sm.files.path(s["id"]).exists() and sm.store.get_snapshot(s["id"]) is None
-        assert sm.store.get_session(s["id"]) is None and sm.store.messages(s["id"]) == []
-    finally:
-        close_sessions(engine, sm)
+    engine, sm = nf4_sessions
+    s = sm.create_session("u")
+    turn = sm.chat(
+        "u",
+        s["id"],
+        "Tell me a long story.",
+        SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True),
+    )
+    stream = iter(turn)
+    next(stream)  # the reply is streaming
+    sm.delete_session("u", s["id"])
+    list(stream)  # the turn ends (stopped) after the delete
+    assert not sm.residency.offload.persist(s["id"], force=True)  # the sweeper's next try
+    assert s["id"] not in engine.resident_kv()
+    assert not sm.files.path(s["id"]).exists() and sm.store.get_snapshot(s["id"]) is None
+    assert sm.store.get_session(s["id"]) is None and sm.store.messages(s["id"]) == []

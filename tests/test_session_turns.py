@@ -20,50 +20,47 @@ Q1, Q2 = "Name a large animal.", "Where does it live?"
 
 
 def test_a_request_that_reads_the_history_while_a_turn_ends_sees_its_reply(
-    nf4_model: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    nf4_sessions: tuple, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine, sm = make_sessions(nf4_model, tmp_path)
-    try:
-        sid = sm.create_session("u")["id"]
-        first = sm.chat("u", sid, Q1, FORCED)
-        reading, go = threading.Event(), threading.Event()
-        real = sm.store.messages
+    engine, sm = nf4_sessions
+    sid = sm.create_session("u")["id"]
+    first = sm.chat("u", sid, Q1, FORCED)
+    reading, go = threading.Event(), threading.Event()
+    real = sm.store.messages
 
-        def paused(session_id: str) -> list[dict]:  # the second request stops in its read
-            if threading.current_thread().name == "second":
-                reading.set()
-                assert go.wait(60)
-            return real(session_id)
+    def paused(session_id: str) -> list[dict]:  # the second request stops in its read
+        if threading.current_thread().name == "second":
+            reading.set()
+            assert go.wait(60)
+        return real(session_id)
 
-        monkeypatch.setattr(sm.store, "messages", paused)
-        outcome: dict[str, object] = {}
+    monkeypatch.setattr(sm.store, "messages", paused)
+    outcome: dict[str, object] = {}
 
-        def second() -> None:
-            try:
-                outcome["turn"] = sm.chat("u", sid, Q2, GREEDY)
-            except SessionBusy as e:
-                outcome["busy"] = e
+    def second() -> None:
+        try:
+            outcome["turn"] = sm.chat("u", sid, Q2, GREEDY)
+        except SessionBusy as e:
+            outcome["busy"] = e
 
-        thread = threading.Thread(target=second, name="second")
-        thread.start()
-        deadline = time.monotonic() + 60
-        while not reading.is_set() and thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        first.result()  # the first turn ends: its reply is committed, the session is free
-        go.set()
-        thread.join(60)
-        assert first.text.strip()
-        if "turn" in outcome:  # it got the session: its prompt must hold the reply
-            turn = outcome["turn"]
-            assert first.text.strip() in sm.formatter.tokenizer.decode(turn.prompt)
-            turn.result()
-        else:
-            assert isinstance(outcome.get("busy"), SessionBusy)
-        later = sm.chat("u", sid, Q2, GREEDY)  # once it ended, the session is free again
-        assert first.text.strip() in sm.formatter.tokenizer.decode(later.prompt)
-        later.result()
-    finally:
-        close_sessions(engine, sm)
+    thread = threading.Thread(target=second, name="second")
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not reading.is_set() and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first.result()  # the first turn ends: its reply is committed, the session is free
+    go.set()
+    thread.join(60)
+    assert first.text.strip()
+    if "turn" in outcome:  # it got the session: its prompt must hold the reply
+        turn = outcome["turn"]
+        assert first.text.strip() in sm.formatter.tokenizer.decode(turn.prompt)
+        turn.result()
+    else:
+        assert isinstance(outcome.get("busy"), SessionBusy)
+    later = sm.chat("u", sid, Q2, GREEDY)  # once it ended, the session is free again
+    assert first.text.strip() in sm.formatter.tokenizer.decode(later.prompt)
+    later.result()
 
 
 def test_a_regenerate_or_edit_the_server_turns_away_leaves_the_conversation_as_it_was(
@@ -110,38 +107,35 @@ def count_writes(sm: object, monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def test_regenerate_and_edit_keep_the_old_turn_as_a_branch_with_one_write_before_streaming(
-    nf4_model: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    nf4_sessions: tuple, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine, sm = make_sessions(nf4_model, tmp_path)
-    try:
-        sid = sm.create_session("u")["id"]
-        first = sm.chat("u", sid, Q1, FORCED)
-        first.result()
-        count = count_writes(sm, monkeypatch)
-        shown = [Q1, first.text]
-        for start, user_text in (
-            (lambda: sm.regenerate("u", sid, FORCED), Q1),
-            (lambda: sm.edit_last("u", sid, "Say hello.", FORCED), "Say hello."),
-        ):
-            count[0] = 0
-            turn = start()
-            stream = iter(turn)
-            assert next(stream)
-            assert count[0] == 1  # at the first delta, one write: the session answers
-            # a regenerate shows the old reply until the new one is written; an edit is
-            # written (a sibling of the original message) before the reply streams
-            expected = shown if user_text == Q1 else [user_text]
-            assert [m["content"] for m in sm.messages("u", sid)] == expected
-            for _delta in stream:
-                pass
-            assert turn.accepted and count[0] == 2  # plus the reply at its end
-            msgs = sm.messages("u", sid)
-            assert [m["content"] for m in msgs] == [user_text, turn.text]
-            assert sm.get_session("u", sid)["state"] == "resident"
-            shown = [user_text, turn.text]
-        assert len(sm.store.message_tree(sid)) == 5  # the replaced turns are still there
-    finally:
-        close_sessions(engine, sm)
+    engine, sm = nf4_sessions
+    sid = sm.create_session("u")["id"]
+    first = sm.chat("u", sid, Q1, FORCED)
+    first.result()
+    count = count_writes(sm, monkeypatch)
+    shown = [Q1, first.text]
+    for start, user_text in (
+        (lambda: sm.regenerate("u", sid, FORCED), Q1),
+        (lambda: sm.edit_last("u", sid, "Say hello.", FORCED), "Say hello."),
+    ):
+        count[0] = 0
+        turn = start()
+        stream = iter(turn)
+        assert next(stream)
+        assert count[0] == 1  # at the first delta, one write: the session answers
+        # a regenerate shows the old reply until the new one is written; an edit is
+        # written (a sibling of the original message) before the reply streams
+        expected = shown if user_text == Q1 else [user_text]
+        assert [m["content"] for m in sm.messages("u", sid)] == expected
+        for _delta in stream:
+            pass
+        assert turn.accepted and count[0] == 2  # plus the reply at its end
+        msgs = sm.messages("u", sid)
+        assert [m["content"] for m in msgs] == [user_text, turn.text]
+        assert sm.get_session("u", sid)["state"] == "resident"
+        shown = [user_text, turn.text]
+    assert len(sm.store.message_tree(sid)) == 5  # the replaced turns are still there
 
 
 def test_a_turn_is_charged_what_the_server_computed_also_a_recomputed_history(
