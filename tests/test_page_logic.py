@@ -7,6 +7,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import gradio as gr
@@ -26,6 +27,16 @@ def browser(page: ChatPage) -> tuple[str, gr.Request]:
     """A new anonymous browser: its owner string and a request carrying its signed cookie."""
     browser_id, value = page.browser_ids.mint("test")  # type: ignore[misc]
     return f"browser:{browser_id}", gr.Request(cookies={COOKIE: value})
+
+
+@pytest.fixture
+def on_page(nf4_model: LoadedModel, tmp_path: Path) -> Iterator[tuple]:
+    """A chat page over a fresh engine and session manager, and a new anonymous browser on it:
+    (engine, session manager, page, the browser's owner string, its request)."""
+    engine, sm = make_sessions(nf4_model, tmp_path)
+    page = ChatPage(sm)
+    yield (engine, sm, page, *browser(page))
+    close_sessions(engine, sm)
 
 
 def test_status_tells_the_user_where_they_are(nf4_model: LoadedModel, tmp_path: Path) -> None:
@@ -100,81 +111,69 @@ def test_signed_in_user_sees_their_conversations_from_any_browser(
 
 
 def test_a_conversation_keeps_its_system_prompt_across_reload_switch_and_new_chat(
-    nf4_model: LoadedModel, tmp_path: Path
+    on_page: tuple,
 ) -> None:
-    engine, sm = make_sessions(nf4_model, tmp_path)
-    try:
-        page = ChatPage(sm)
-        owner, me = browser(page)
+    engine, sm, page, owner, me = on_page
 
-        screen = Screen()
+    screen = Screen()
 
-        def send(message: str, sid: str | None, system: str) -> str:
-            *_, last = page.on_send(message, sid, False, system, 0.0, 1.0, 8, 1.0, screen, me)
-            return last[3]
+    def send(message: str, sid: str | None, system: str) -> str:
+        *_, last = page.on_send(message, sid, False, system, 0.0, 1.0, 8, 1.0, screen, me)
+        return last[3]
 
-        pirate = send("Hello there.", None, "You are a pirate.")
-        # a reload: the box shows the conversation's own prompt, so the next Send keeps it
-        _convos, sid, _history, system = page.on_load(Screen(), me)
-        assert (sid, system) == (pirate, "You are a pirate.")
-        send("And again.", sid, system)
-        assert sm.get_session(owner, pirate)["system_prompt"] == "You are a pirate."
-        # "New chat" empties the box; the new conversation keeps its own (empty) prompt
-        assert page.on_new(screen)[4] == ""
-        plain = send("Hi.", None, "")
-        assert page.on_select(pirate, screen, me)[3] == "You are a pirate."
-        assert page.on_select(plain, screen, me)[3] == ""
-        assert sm.get_session(owner, plain)["system_prompt"] == ""
-        assert sm.get_session(owner, pirate)["system_prompt"] == "You are a pirate."
-        assert page.on_delete(plain, screen, me)[3] == ""
-    finally:
-        close_sessions(engine, sm)
+    pirate = send("Hello there.", None, "You are a pirate.")
+    # a reload: the box shows the conversation's own prompt, so the next Send keeps it
+    _convos, sid, _history, system = page.on_load(Screen(), me)
+    assert (sid, system) == (pirate, "You are a pirate.")
+    send("And again.", sid, system)
+    assert sm.get_session(owner, pirate)["system_prompt"] == "You are a pirate."
+    # "New chat" empties the box; the new conversation keeps its own (empty) prompt
+    assert page.on_new(screen)[4] == ""
+    plain = send("Hi.", None, "")
+    assert page.on_select(pirate, screen, me)[3] == "You are a pirate."
+    assert page.on_select(plain, screen, me)[3] == ""
+    assert sm.get_session(owner, plain)["system_prompt"] == ""
+    assert sm.get_session(owner, pirate)["system_prompt"] == "You are a pirate."
+    assert page.on_delete(plain, screen, me)[3] == ""
 
 
-def test_a_reply_paints_only_while_its_conversation_is_on_screen(
-    nf4_model: LoadedModel, tmp_path: Path
-) -> None:
-    engine, sm = make_sessions(nf4_model, tmp_path)
-    try:
-        page = ChatPage(sm)
-        owner, me = browser(page)
-        screen = Screen()
-        other = sm.create_session(owner)["id"]
-        sm.chat(owner, other, "Say hi.", SamplingParams(temperature=0, max_new_tokens=4)).result()
-        stream = page.on_send(
-            "Write a long story about a lighthouse keeper.",
-            None,
-            False,
-            "",
-            0.0,
-            1.0,
-            200,
-            1.0,
-            screen,
-            me,
-        )
-        first = next(stream)
-        sid = first[3]
-        assert first[0][0]["content"].startswith("Write a long story")
-        # the user opens the other conversation while the reply runs: once, the reply's stream
-        # repaints that one (a delta it yielded just before may reach the browser after the
-        # page showed it), then nothing paints over it
-        opened = page.on_select(other, screen, me)
-        assert opened[0] == other
-        away = [next(stream) for _ in range(3)]
-        assert away[0][0] == opened[1] and away[0][3] == other, away[0]
-        assert all(out == (gr.skip(),) * 6 for out in away[1:]), away
-        # back again: the reply so far, then the rest, paint again, into this conversation
-        page.on_select(sid, screen, me)
-        back = list(stream)
-        assert back and all(out[3] == sid for out in back)
-        final = back[-1][0]
-        assert [m["role"] for m in final] == ["user", "assistant"] and final[1]["content"]
-        stored = sm.messages(owner, sid)  # the turn ran on while away and was committed
-        assert [m["content"] for m in stored] == [m["content"] for m in final]
-        assert len(sm.messages(owner, other)) == 2
-    finally:
-        close_sessions(engine, sm)
+def test_a_reply_paints_only_while_its_conversation_is_on_screen(on_page: tuple) -> None:
+    engine, sm, page, owner, me = on_page
+    screen = Screen()
+    other = sm.create_session(owner)["id"]
+    sm.chat(owner, other, "Say hi.", SamplingParams(temperature=0, max_new_tokens=4)).result()
+    stream = page.on_send(
+        "Write a long story about a lighthouse keeper.",
+        None,
+        False,
+        "",
+        0.0,
+        1.0,
+        200,
+        1.0,
+        screen,
+        me,
+    )
+    first = next(stream)
+    sid = first[3]
+    assert first[0][0]["content"].startswith("Write a long story")
+    # the user opens the other conversation while the reply runs: once, the reply's stream
+    # repaints that one (a delta it yielded just before may reach the browser after the
+    # page showed it), then nothing paints over it
+    opened = page.on_select(other, screen, me)
+    assert opened[0] == other
+    away = [next(stream) for _ in range(3)]
+    assert away[0][0] == opened[1] and away[0][3] == other, away[0]
+    assert all(out == (gr.skip(),) * 6 for out in away[1:]), away
+    # back again: the reply so far, then the rest, paint again, into this conversation
+    page.on_select(sid, screen, me)
+    back = list(stream)
+    assert back and all(out[3] == sid for out in back)
+    final = back[-1][0]
+    assert [m["role"] for m in final] == ["user", "assistant"] and final[1]["content"]
+    stored = sm.messages(owner, sid)  # the turn ran on while away and was committed
+    assert [m["content"] for m in stored] == [m["content"] for m in final]
+    assert len(sm.messages(owner, other)) == 2
 
 
 def sent(page: ChatPage, request: gr.Request, message: str, sid: str | None, editing: bool):
@@ -182,54 +181,40 @@ def sent(page: ChatPage, request: gr.Request, message: str, sid: str | None, edi
     return list(page.on_send(message, sid, editing, "", 0.0, 1.0, 8, 1.0, Screen(), request))
 
 
-def test_an_edit_the_engine_refuses_goes_back_into_the_box_with_the_reason(
-    nf4_model: LoadedModel, tmp_path: Path
-) -> None:
+def test_an_edit_the_engine_refuses_goes_back_into_the_box_with_the_reason(on_page: tuple) -> None:
     """An edit is written only once the engine takes it: refused (here: the engine stopped),
     the page had cleared the box and left editing, and the text was nowhere."""
-    engine, sm = make_sessions(nf4_model, tmp_path)
-    try:
-        page = ChatPage(sm)
-        owner, me = browser(page)
-        sid = sent(page, me, "Name a colour.", None, False)[-1][3]
-        before = sm.messages(owner, sid)
-        engine.shutdown()
-        chatbot, status, box, _sid, _convos, editing = sent(page, me, "Name a fruit.", sid, True)[
-            -1
-        ]
-        assert status.startswith("Error:") and "shutting down" in status
-        assert box == "Name a fruit." and editing is True
-        assert [m["content"] for m in chatbot] == [m["content"] for m in before]
-        assert sm.messages(owner, sid) == before
-        assert not sm._active  # the session is free for the next try
-    finally:
-        close_sessions(engine, sm)
+    engine, sm, page, owner, me = on_page
+    sid = sent(page, me, "Name a colour.", None, False)[-1][3]
+    before = sm.messages(owner, sid)
+    engine.shutdown()
+    chatbot, status, box, _sid, _convos, editing = sent(page, me, "Name a fruit.", sid, True)[-1]
+    assert status.startswith("Error:") and "shutting down" in status
+    assert box == "Name a fruit." and editing is True
+    assert [m["content"] for m in chatbot] == [m["content"] for m in before]
+    assert sm.messages(owner, sid) == before
+    assert not sm._active  # the session is free for the next try
 
 
 def test_a_conversation_deleted_as_its_turn_starts_leaves_no_turn_holding_the_user(
-    nf4_model: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    on_page: tuple, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Deleted in another tab between the turn's start and its stream: the turn was never
     iterated and kept its slot, so four of them (the per-user cap) locked the user out."""
-    engine, sm = make_sessions(nf4_model, tmp_path)
-    try:
-        page = ChatPage(sm)
-        owner, me = browser(page)
-        real_chat = sm.chat
+    engine, sm, page, owner, me = on_page
+    real_chat = sm.chat
 
-        def chat_then_deleted_elsewhere(*args: object, **kwargs: object) -> object:
-            turn = real_chat(*args, **kwargs)
-            sm.delete_session(owner, turn.session_id)  # the other tab's Delete
-            return turn
+    def chat_then_deleted_elsewhere(*args: object, **kwargs: object) -> object:
+        turn = real_chat(*args, **kwargs)
+        sm.delete_session(owner, turn.session_id)  # the other tab's Delete
+        return turn
 
-        monkeypatch.setattr(sm, "chat", chat_then_deleted_elsewhere)
-        for _ in range(sm.config.max_turns_per_user + 1):
-            sid = sm.create_session(owner)["id"]
-            (_chatbot, status, *_), *rest = sent(page, me, "Hello.", sid, False)
-            assert status.startswith("Error:") and not rest
-        monkeypatch.setattr(sm, "chat", real_chat)
-        *_, (chatbot, status, _box, sid, _convos, _editing) = sent(page, me, "Hi.", None, False)
-        assert status == "" and chatbot[-1]["role"] == "assistant" and chatbot[-1]["content"]
-        assert not sm._active
-    finally:
-        close_sessions(engine, sm)
+    monkeypatch.setattr(sm, "chat", chat_then_deleted_elsewhere)
+    for _ in range(sm.config.max_turns_per_user + 1):
+        sid = sm.create_session(owner)["id"]
+        (_chatbot, status, *_), *rest = sent(page, me, "Hello.", sid, False)
+        assert status.startswith("Error:") and not rest
+    monkeypatch.setattr(sm, "chat", real_chat)
+    *_, (chatbot, status, _box, sid, _convos, _editing) = sent(page, me, "Hi.", None, False)
+    assert status == "" and chatbot[-1]["role"] == "assistant" and chatbot[-1]["content"]
+    assert not sm._active
