@@ -49,6 +49,15 @@ def test_crowdchat_int4_kernel_computes_what_torchs_does(seed: int) -> None:
         assert_rows(ours, x, torchs(x), w)
 
 
+def int8_dot_refuses_other_widths_and_scales(lin: Int8Linear, k: int) -> None:
+    """`int8_dot` over `lin`'s weights (K = `k`) refuses x of another width and too few scales."""
+    int8 = torch.ops.crowdchat.int8_dot
+    with pytest.raises(RuntimeError, match="columns"):
+        int8(torch.randn(2, k + 32), lin.qweight, lin.scales)
+    with pytest.raises(RuntimeError, match="scales"):
+        int8(torch.randn(2, k), lin.qweight, lin.scales[:16])
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_crowdchat_int8_kernel_computes_what_torchs_does(seed: int) -> None:
     """The output projection's int8 kernel on AVX512-BF16 CPUs (csrc/q4_linear.cpp `int8_dot`)
@@ -64,11 +73,8 @@ def test_crowdchat_int8_kernel_computes_what_torchs_does(seed: int) -> None:
     for rows in (1, 3, 8, 9, 33, 70):
         x = torch.randn(rows, k, generator=gen) * (0.1 + seed)
         assert_rows(ours, x, torchs(x), w)
+    int8_dot_refuses_other_widths_and_scales(ours, k)
     int8 = torch.ops.crowdchat.int8_dot
-    with pytest.raises(RuntimeError, match="columns"):
-        int8(torch.randn(2, k + 32), ours.qweight, ours.scales)
-    with pytest.raises(RuntimeError, match="scales"):
-        int8(torch.randn(2, k), ours.qweight, ours.scales[:16])
     with pytest.raises(RuntimeError, match="float32"):
         int8(torch.randn(2, k).bfloat16(), ours.qweight, ours.scales)
     assert int8(torch.randn(0, k), ours.qweight, ours.scales).shape == (0, n)
@@ -143,13 +149,10 @@ def test_int8_activation_output_projection() -> None:
             got = assert_rows(ours, x, ((q * d).view(rows, k) @ wq.t()).float(), w)
             near = bf16(x)
             assert float((got - near).norm()) <= 0.02 * float(near.norm())
-    int8 = torch.ops.crowdchat.int8_dot
-    with pytest.raises(RuntimeError, match="columns"):
-        int8(torch.randn(2, k + 32), ours.qweight, ours.scales)
-    with pytest.raises(RuntimeError, match="scales"):
-        int8(torch.randn(2, k), ours.qweight, ours.scales[:16])
+    int8_dot_refuses_other_widths_and_scales(ours, k)
     with pytest.raises(RuntimeError, match="packed"):
-        int8(torch.randn(2, k), ours.qweight.view(n // 16, k // 2, 32), ours.scales)
+        packed = ours.qweight.view(n // 16, k // 2, 32)
+        torch.ops.crowdchat.int8_dot(torch.randn(2, k), packed, ours.scales)
 
 
 def test_crowdchat_int4_kernel_rejects_what_it_cannot_compute() -> None:
