@@ -9,7 +9,7 @@ import shutil
 import time
 from pathlib import Path
 
-from playwright.sync_api import Page, expect
+from playwright.sync_api import Browser, BrowserContext, Page, expect
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -23,6 +23,31 @@ FLAGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+CHAT_VIEW = {"width": 1100, "height": 900}
+ADMIN_VIEW = {"width": 1280, "height": 1000}
+
+
+def open_page(
+    browser: Browser, url: str, viewport: dict[str, int] = CHAT_VIEW
+) -> tuple[BrowserContext, Page]:
+    """`url` in a new browser context (its own cookies): the context, to close, and the page."""
+    context = browser.new_context(viewport=viewport)  # type: ignore[arg-type]
+    page = context.new_page()
+    page.goto(url)
+    return context, page
+
+
+def log_in(page: Page, name: str, password: str) -> None:
+    """Fill in and send the sign-in form on the page (the admin page's or the Doors' one)."""
+    page.get_by_label("username").fill(name)
+    page.get_by_label("password").fill(password)
+    page.get_by_role("button", name="Login").click()
+
+
+def send(page: Page, text: str) -> None:
+    """Type `text` into the chat page's message box and press Send."""
+    page.locator("#message textarea").fill(text)
+    page.locator("#send").click()
 
 
 def assistant_text(page: Page) -> str:

@@ -13,9 +13,11 @@ from tests.browser_rig import (
     assistant_text,
     loaded,
     open_conversation,
+    open_page,
     open_settings,
     plain,
     replies_in_tree,
+    send,
     session_titled,
     set_max_tokens,
 )
@@ -24,15 +26,12 @@ from tests.browser_rig import (
 def test_chat_stream_stop_and_reload(browser: Browser, server: tuple) -> None:
     url, engine, sm = server
     ARTIFACTS.mkdir(exist_ok=True)
-    context = browser.new_context(viewport={"width": 1100, "height": 900})
-    page = context.new_page()
-    page.goto(url + "/")
+    context, page = open_page(browser, url + "/")
     # the identity is a signed HttpOnly cookie: the browser keeps it, page scripts cannot read it
     cookie = {c["name"]: c for c in context.cookies()}["crowdchat_id"]
     assert cookie["httpOnly"] and cookie["sameSite"] == "Lax"
     assert "crowdchat_id" not in page.evaluate("document.cookie")
-    page.locator("#message textarea").fill("Write a long story about a brave little robot.")
-    page.locator("#send").click()
+    send(page, "Write a long story about a brave little robot.")
     # the reply streams in: text appears and keeps growing
     expect(page.locator("#chatbot")).to_contain_text("brave little robot", timeout=30_000)
     deadline = time.time() + 60
@@ -57,9 +56,7 @@ def test_chat_stream_stop_and_reload(browser: Browser, server: tuple) -> None:
 
 def test_system_prompt_survives_a_reload_and_the_next_send(browser: Browser, server: tuple) -> None:
     url, _, sm = server
-    context = browser.new_context(viewport={"width": 1100, "height": 900})
-    page = context.new_page()
-    page.goto(url + "/")
+    context, page = open_page(browser, url + "/")
     loaded(page)
     open_settings(page)
     # the settings may still render as the page settles: the prompt must be in the box (and
@@ -69,8 +66,7 @@ def test_system_prompt_survives_a_reload_and_the_next_send(browser: Browser, ser
     expect(system).to_have_value("You are a pirate.", timeout=10_000)
     system.press("Tab")
     set_max_tokens(page, 16)  # a short reply on a slow CPU
-    page.locator("#message textarea").fill("Ahoy, who sails this ship?")
-    page.locator("#send").click()
+    send(page, "Ahoy, who sails this ship?")
     row = session_titled(sm, "Ahoy, who sails", replies=1)
     assert row["system_prompt"] == "You are a pirate."
     page.reload()
@@ -78,8 +74,7 @@ def test_system_prompt_survives_a_reload_and_the_next_send(browser: Browser, ser
     open_settings(page)
     expect(page.locator("#system textarea")).to_have_value("You are a pirate.", timeout=20_000)
     set_max_tokens(page, 16)
-    page.locator("#message textarea").fill("And where are we going?")
-    page.locator("#send").click()
+    send(page, "And where are we going?")
     row = session_titled(sm, "Ahoy, who sails", replies=2)
     assert sm.store.get_session(row["id"])["system_prompt"] == "You are a pirate."
     context.close()
@@ -89,19 +84,15 @@ def test_a_reply_streams_only_into_the_conversation_on_screen(
     browser: Browser, server: tuple
 ) -> None:
     url, _, sm = server
-    context = browser.new_context(viewport={"width": 1100, "height": 900})
-    page = context.new_page()
-    page.goto(url + "/")
+    context, page = open_page(browser, url + "/")
     loaded(page)
     open_settings(page)
     set_max_tokens(page, 16)  # a short first reply on a slow CPU
-    page.locator("#message textarea").fill("Name one colour.")
-    page.locator("#send").click()
+    send(page, "Name one colour.")
     session_titled(sm, "Name one colour", replies=1)
     set_max_tokens(page, 1024)  # the story must still run when the user comes back to it
     page.locator("#new-chat").click()
-    page.locator("#message textarea").fill("Write a long story about a lighthouse keeper.")
-    page.locator("#send").click()
+    send(page, "Write a long story about a lighthouse keeper.")
     expect(page.locator("#chatbot")).to_contain_text("lighthouse keeper", timeout=30_000)
     deadline = time.time() + 60
     while len(assistant_text(page)) < 10 and time.time() < deadline:
@@ -133,14 +124,11 @@ def test_regenerate_keeps_both_replies_and_the_switcher_picks_the_branch_that_go
     browser: Browser, server: tuple
 ) -> None:
     url, _, sm = server
-    context = browser.new_context(viewport={"width": 1100, "height": 900})
-    page = context.new_page()
-    page.goto(url + "/")
+    context, page = open_page(browser, url + "/")
     loaded(page)
     open_settings(page)
     set_max_tokens(page, 16)  # short replies on a slow CPU
-    page.locator("#message textarea").fill("Name one fruit, please.")
-    page.locator("#send").click()
+    send(page, "Name one fruit, please.")
     sid = session_titled(sm, "Name one fruit", replies=1)["id"]
     expect(page.locator("#status")).not_to_contain_text("Replying", timeout=60_000)
     page.locator("#regenerate").click()
@@ -160,8 +148,7 @@ def test_regenerate_keeps_both_replies_and_the_switcher_picks_the_branch_that_go
     expect(page.locator("#chatbot")).to_contain_text(plain(first), timeout=10_000)
     open_settings(page)
     set_max_tokens(page, 16)
-    page.locator("#message textarea").fill("And what colour is it?")
-    page.locator("#send").click()
+    send(page, "And what colour is it?")
     replies_in_tree(sm, sid, 3)
     path = [m["content"] for m in sm.store.messages(sid)]
     assert path[:3] == ["Name one fruit, please.", first, "And what colour is it?"]

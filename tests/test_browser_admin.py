@@ -9,7 +9,7 @@ from pathlib import Path
 from playwright.sync_api import Browser, expect
 
 from engine.model.loader import LoadedModel, dtype_name
-from tests.browser_rig import ARTIFACTS
+from tests.browser_rig import ADMIN_VIEW, ARTIFACTS, log_in, open_page
 from tests.web import ADMIN_PASSWORD, running_server
 from ui.auth import hash_password
 
@@ -17,16 +17,10 @@ from ui.auth import hash_password
 def test_admin_login_and_memory_figures(browser: Browser, server: tuple) -> None:
     url, _, _ = server
     ARTIFACTS.mkdir(exist_ok=True)
-    context = browser.new_context(viewport={"width": 1280, "height": 1000})
-    page = context.new_page()
-    page.goto(url + "/admin/")
-    page.get_by_label("username").fill("admin")
-    page.get_by_label("password").fill("wrong password")
-    page.get_by_role("button", name="Login").click()
+    context, page = open_page(browser, url + "/admin/", ADMIN_VIEW)
+    log_in(page, "admin", "wrong password")
     expect(page.get_by_text("Incorrect credentials")).to_be_visible(timeout=10_000)
-    page.get_by_label("username").fill("admin")  # the form is reset after a failed login
-    page.get_by_label("password").fill(ADMIN_PASSWORD)
-    page.get_by_role("button", name="Login").click()
+    log_in(page, "admin", ADMIN_PASSWORD)  # the form is reset after a failed login
     expect(page.locator("#memory")).to_contain_text("Device memory", timeout=20_000)
     expect(page.locator("#memory")).to_contain_text("KV used")
     expect(page.locator("#totals")).to_contain_text("KV pool")
@@ -45,12 +39,9 @@ def test_with_sign_in_the_page_signs_in_and_shows_the_api_keys_section(
     users = tmp_path / "users.txt"
     users.write_text(f"ann:{hash_password('s3cret-pass')}\n")
     with running_server(nf4_model, tmp_path / "data", auth_file=users) as (url, _, _):
-        context = browser.new_context(viewport={"width": 1100, "height": 900})
-        page = context.new_page()
-        page.goto(url + "/")  # the sign-in form renders behind the Doors middleware
-        page.get_by_label("username").fill("ann")
-        page.get_by_label("password").fill("s3cret-pass")
-        page.get_by_role("button", name="Login").click()
+        # the sign-in form renders behind the Doors middleware
+        context, page = open_page(browser, url + "/")
+        log_in(page, "ann", "s3cret-pass")
         expect(page.locator("#message textarea")).to_be_visible(timeout=30_000)
         page.locator("#api-keys").get_by_role("button").first.click()
         page.locator("#api-keys input").first.fill("from the browser")
@@ -73,12 +64,8 @@ def test_admin_shows_upstream_replicas(browser: Browser, model_dir: Path, tmp_pa
     try:
         with upstream_server(reps, tmp_path, local, app=app) as (url, backend, _sm, _m):
             backend.drain(reps[1].url)
-            context = browser.new_context(viewport={"width": 1280, "height": 1000})
-            page = context.new_page()
-            page.goto(url + "/admin/")
-            page.get_by_label("username").fill("admin")
-            page.get_by_label("password").fill(ADMIN_PASSWORD)
-            page.get_by_role("button", name="Login").click()
+            context, page = open_page(browser, url + "/admin/", ADMIN_VIEW)
+            log_in(page, "admin", ADMIN_PASSWORD)
             table = page.locator("#replicas")
             expect(table).to_contain_text(reps[0].url, timeout=20_000)
             expect(table).to_contain_text("draining")

@@ -234,17 +234,26 @@ def test_a_request_over_the_context_gets_a_clear_error_from_crowdchat_or_vllm(cr
 def test_the_page_streams_and_stops_and_the_admin_page_lists_the_replicas(crowdchat, replicas):
     from playwright.sync_api import expect, sync_playwright
 
-    from tests.browser_rig import ARTIFACTS, CHROMIUM, FLAGS, assistant_text, loaded
+    from tests.browser_rig import (
+        ADMIN_VIEW,
+        ARTIFACTS,
+        CHAT_VIEW,
+        CHROMIUM,
+        FLAGS,
+        assistant_text,
+        loaded,
+        log_in,
+        send,
+    )
 
     base, _ = crowdchat
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
-        page = browser.new_page(viewport={"width": 1100, "height": 900})
+        page = browser.new_page(viewport=CHAT_VIEW)
         page.goto(base + "/")
         loaded(page)
-        page.locator("#message textarea").fill("Write a long story about a brave little robot.")
-        page.locator("#send").click()
+        send(page, "Write a long story about a brave little robot.")
         deadline = time.time() + 120
         while len(assistant_text(page)) < 40 and time.time() < deadline:
             time.sleep(0.2)
@@ -255,11 +264,9 @@ def test_the_page_streams_and_stops_and_the_admin_page_lists_the_replicas(crowdc
         time.sleep(1.5)
         assert assistant_text(page) == stopped
         page.screenshot(path=str(ARTIFACTS / "chat-vllm.png"), full_page=True)
-        admin = browser.new_page(viewport={"width": 1280, "height": 1000})
+        admin = browser.new_page(viewport=ADMIN_VIEW)
         admin.goto(base + "/admin/")
-        admin.get_by_label("username").fill("admin")
-        admin.get_by_label("password").fill(ADMIN_PASSWORD)
-        admin.get_by_role("button", name="Login").click()
+        log_in(admin, "admin", ADMIN_PASSWORD)
         for r in replicas:
             expect(admin.locator("#replicas")).to_contain_text(r.base, timeout=30_000)
         admin.screenshot(path=str(ARTIFACTS / "admin-vllm.png"), full_page=True)
