@@ -91,7 +91,7 @@ def build_share_router(sessions: SessionManager, enabled: bool) -> APIRouter:
         action = f"{token}/copy" if identity_of(request.scope) is not None else None
         return HTMLResponse(
             share_page(shared, action),
-            headers={"Referrer-Policy": "no-referrer", "X-Robots-Tag": "noindex"},
+            headers={"Referrer-Policy": "same-origin", "X-Robots-Tag": "noindex"},
         )
 
     @router.post("/share/{token}/copy")

@@ -4,6 +4,7 @@ upload (Debian chromium driven by Playwright, as tests/test_browser.py)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from playwright.sync_api import Browser, Page, expect
@@ -93,3 +94,38 @@ def test_export_links_download_and_an_upload_imports(
     expect(page.locator("#status")).to_contain_text("nothing was imported", timeout=30_000)
     expect(page.locator("#status")).to_contain_text("unknown role 'wizard'")
     context.close()
+
+
+def test_a_share_link_opens_in_another_browser_which_continues_its_own_copy(
+    browser: Browser, server: tuple
+) -> None:
+    url, _engine, sm = server
+    owner = browser.new_context(viewport={"width": 1100, "height": 1000})
+    page = owner.new_page()
+    page.goto(url + "/")
+    loaded(page)
+    send(page, "Share me: name a tree.")
+    page.locator("#share").get_by_role("button").first.click()
+    page.locator("#share-create").click()
+    link_box = page.locator("#share-link textarea, #share-link input").first
+    expect(link_box).to_have_value(re.compile(r"/share/[\w-]{32}$"), timeout=20_000)
+    link = link_box.input_value()
+    assert link.startswith(url + "/share/")
+    viewer = browser.new_context(viewport={"width": 1100, "height": 1000})
+    shared = viewer.new_page()
+    shared.goto(link)
+    expect(shared.locator("body")).to_contain_text("Share me: name a tree.")
+    shared.screenshot(path=str(ARTIFACTS / "share.png"), full_page=True)
+    shared.locator("#continue").click()
+    shared.wait_for_url(url + "/", timeout=20_000)
+    loaded(shared)
+    expect(shared.locator("#chatbot")).to_contain_text("Share me: name a tree.", timeout=20_000)
+    expect(shared.locator("#convos")).to_contain_text("Share me")
+    # revoked on the owner's page: the link shows nothing now
+    page.locator("#share-revoke").click()
+    expect(page.locator("#status")).to_contain_text("Revoked", timeout=20_000)
+    assert shared.goto(link).status == 404
+    owners = {r["owner"] for r in sm.store.all_sessions() if r["title"].startswith("Share me")}
+    assert len(owners) == 2  # the original and the viewer's copy, each its own
+    owner.close()
+    viewer.close()
