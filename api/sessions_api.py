@@ -123,6 +123,11 @@ def build_sessions_router(sessions: SessionManager, share_links: bool = True) ->
 
         return await answer(request, listed)
 
+    @router.get("/v1/usage")
+    async def usage(request: Request) -> Response:
+        """Where the caller stands against the per-user limits (0: that limit is off)."""
+        return await answer(request, lambda owner: {"object": "usage", **sessions.usage(owner)})
+
     @router.get("/v1/sessions/export")
     async def export_all(request: Request) -> Response:
         """Every conversation of the caller's, every branch, as one JSON file."""

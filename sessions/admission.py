@@ -85,6 +85,26 @@ class Admission:
             self.limiter.settle(ticket.reservation, charged)
         self.caps.release(ticket.slot)
 
+    def usage(self, owner: str, conversations: int) -> dict[str, int | float]:
+        """Where `owner` stands against each limit: tokens this minute (charged and reserved)
+        and when the oldest charge frees, requests and turns in flight, conversations kept.
+        A limit of 0 is off."""
+        used, reserved, frees = self.limiter.standing(owner)
+        requests, turns = self.caps.in_flight(owner)
+        c = self.config
+        return {
+            "tokens_used": used,
+            "tokens_reserved": reserved,
+            "tokens_per_minute": c.tokens_per_minute,
+            "tokens_free_in_seconds": round(frees, 1),
+            "turns_answering": turns,
+            "max_turns_per_user": c.max_turns_per_user,
+            "requests_in_flight": requests,
+            "max_requests_per_user": c.max_requests_per_user,
+            "conversations": conversations,
+            "max_sessions_per_user": c.max_sessions_per_user,
+        }
+
     @property
     def refused(self) -> int:
         """Requests and creations refused by a cap or the token budget."""

@@ -81,6 +81,16 @@ class TokenRateLimiter:
         with self._lock:
             return self._reserved.get(owner, 0)
 
+    def standing(self, owner: str) -> tuple[int, int, float]:
+        """(tokens charged in the last minute, tokens reserved in flight, seconds until the
+        oldest charge leaves the window: 0 with none) for `owner`."""
+        with self._lock:
+            now = time.monotonic()
+            used = self._window(owner, now)
+            window = self._used.get(owner)
+            frees = window[0][0] + WINDOW_S - now if window else 0.0
+            return used, self._reserved.get(owner, 0), max(frees, 0.0)
+
     def reserve(self, owner: str, tokens: int) -> Reservation:
         """Hold `tokens` for a request of `owner`; RateLimited, saying when to come back, if
         that would pass the limit."""

@@ -127,6 +127,10 @@ class SessionManager(BranchTurns, TurnLife, Transfers):
         without a word or over 200 characters."""
         return self.store.search(owner, text, limit, marks)
 
+    def usage(self, owner: str) -> dict[str, int | float]:
+        """Where `owner` stands against the per-user limits (Admission.usage)."""
+        return self.admission.usage(owner, self.store.count_sessions(owner))
+
     def set_system_prompt(self, owner: str, sid: str, system_prompt: str) -> None:
         """Change the session's system prompt (the page sends it with every message, so an
         unchanged one costs no write)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 from playwright.sync_api import Browser, Page, expect
@@ -13,8 +14,24 @@ from tests.browser_rig import ARTIFACTS, loaded, open_conversation, open_setting
 from tests.test_transfer import chatgpt_conversation
 
 
-def max_tokens_shown(page: Page) -> str:
-    return page.locator("#max-tokens input[type=number]").input_value()
+def choose_max_tokens(page: Page, sm: object, n: int) -> None:
+    """Type `n` in the max-tokens box and wait until the server kept it as the user's choice.
+    Typed again if the page painted over it: a conversation's settings arriving just after
+    it was typed (the user clicked New chat a moment before) win, as they would for a person."""
+    for _ in range(5):
+        set_max_tokens(page, n)
+        deadline = time.time() + 5
+        while time.time() < deadline:
+            row = sm.store.sql.reader().execute(  # type: ignore[attr-defined]
+                "SELECT settings FROM owner_settings ORDER BY updated DESC LIMIT 1"
+            ).fetchone()
+            if row and json.loads(row[0])["max_tokens"] == n:
+                time.sleep(0.3)  # anything still on its way to paint over it has arrived
+                if page.locator("#max-tokens input[type=number]").input_value() == str(n):
+                    return
+                break
+            time.sleep(0.1)
+    raise AssertionError(f"max tokens {n} was not kept")
 
 
 def upload_file(page: Page, path: Path) -> None:
@@ -37,12 +54,15 @@ def test_each_conversation_shows_its_own_settings(browser: Browser, server: tupl
     page.goto(url + "/")
     loaded(page)
     open_settings(page)
-    set_max_tokens(page, 32)
+    choose_max_tokens(page, sm, 32)
     send(page, "Settings one: say hi.")
+    # the usage line says where this user stands against the per-user limits
+    expect(page.locator("#usage")).to_contain_text("tokens this minute", timeout=20_000)
+    expect(page.locator("#usage")).to_contain_text("1 of 200 conversations")
     page.locator("#new-chat").click()
     expect(page.locator("#chatbot")).not_to_contain_text("Settings one", timeout=10_000)
     expect(page.locator("#max-tokens input[type=number]")).to_have_value("32")  # last choice
-    set_max_tokens(page, 48)
+    choose_max_tokens(page, sm, 48)
     send(page, "Settings two: say hi.")
     open_conversation(page, "Settings one", "Settings one")
     expect(page.locator("#max-tokens input[type=number]")).to_have_value("32", timeout=10_000)

@@ -11,6 +11,7 @@ from ui.search_section import SearchSection
 from ui.settings_section import SettingsSection
 from ui.share_section import ShareSection
 from ui.transfer_section import TransferSection, export_links
+from ui.usage_line import UsageLine
 
 
 def build_chat_blocks(
@@ -79,6 +80,7 @@ def build_chat_blocks(
                     branch_label = gr.Markdown("", elem_id="branch-label")
                     next_btn = gr.Button("›", size="sm", min_width=40, elem_id="branch-next")
                 status = gr.Markdown("", elem_id="status")
+                usage = gr.Markdown("", elem_id="usage")
                 with gr.Row(elem_id="composer"):
                     box = gr.Textbox(
                         placeholder="Type a message…",
@@ -127,15 +129,28 @@ def build_chat_blocks(
         settings = SettingsSection(page)
         transfer = TransferSection(page)
         sharing = ShareSection(page)
+        usage_line = UsageLine(page)
 
         def then_bar(event: object) -> None:
             """After the event (a whole streamed turn included), the switcher shows the
-            branches of what is now on screen, the sliders its settings and the export links
-            it."""
-            quiet = {"concurrency_limit": None, "show_progress": "hidden"}
-            event.then(bar.render, [sid, screen], bar_outputs, concurrency_limit=None)  # type: ignore[attr-defined]
+            branches of what is now on screen, the sliders its settings, the export and share
+            boxes it, and the usage line where the user stands."""
+            # "always_last": a second trigger while one is pending (opening two conversations
+            # quickly) runs after it, on the newest state, instead of being dropped ("once")
+            quiet = {
+                "concurrency_limit": None,
+                "show_progress": "hidden",
+                "trigger_mode": "always_last",
+            }
+            last = quiet["trigger_mode"]
+            event.then(
+                bar.render, [sid, screen], bar_outputs, concurrency_limit=None, trigger_mode=last
+            )  # type: ignore[attr-defined]
             event.then(settings.on_show, [sid, screen], sampling, **quiet)  # type: ignore[attr-defined]
             event.then(transfer.on_links, [sid], [links], **quiet)  # type: ignore[attr-defined]
+            if share_links:
+                event.then(sharing.on_list, [sid], [share_list], **quiet)  # type: ignore[attr-defined]
+            event.then(usage_line.on_usage, None, [usage], **quiet)  # type: ignore[attr-defined]
             if share_links:
                 event.then(sharing.on_list, [sid], [share_list], **quiet)  # type: ignore[attr-defined]
 
