@@ -36,8 +36,9 @@ run: kernel
 # then the tests of the kernels' loops again on a build for AVX2 CPUs (x86-64-v3 tuned for Zen 3),
 # on any x86-64 machine that runs it, so a machine with AVX-512 tests the loops of those without
 AVX2_ENV := CROWDCHAT_KERNEL_ARCH=x86-64-v3 CROWDCHAT_KERNEL_TUNE=znver3
-KERNEL_TESTS := tests/test_cpu_kernels.py tests/test_cpu_quant.py tests/test_lean_llama.py \
-	tests/test_lean_norm.py tests/test_paged_attention.py
+KERNEL_TESTS := tests/test_cpu_kernels.py tests/test_cpu_kernels_kv.py \
+	tests/test_cpu_kernels_ops.py tests/test_cpu_quant.py tests/test_cpu_quant_kernels.py \
+	tests/test_lean_llama.py tests/test_lean_norm.py tests/test_paged_attention.py
 test: kernel $(CHROMIUM)
 	$(PY) -m pytest -q $(ARGS)
 	$(if $(ARGS),,$(MAKE) --no-print-directory test-avx2)
