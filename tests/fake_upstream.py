@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tests.web import free_port
+from bench.server import free_port
 
 MODEL = "/models/fake-smollm2"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from playwright.sync_api import Browser, Page, expect
 
 from tests.browser_rig import ARTIFACTS, loaded, open_conversation, open_settings, set_max_tokens
-from tests.test_transfer import chatgpt_conversation
+from tests.transfer_rig import chatgpt_conversation
 
 
 def choose_max_tokens(page: Page, sm: object, n: int) -> None:
@@ -22,9 +22,13 @@ def choose_max_tokens(page: Page, sm: object, n: int) -> None:
         set_max_tokens(page, n)
         deadline = time.time() + 5
         while time.time() < deadline:
-            row = sm.store.sql.reader().execute(  # type: ignore[attr-defined]
-                "SELECT settings FROM owner_settings ORDER BY updated DESC LIMIT 1"
-            ).fetchone()
+            row = (
+                sm.store.sql.reader()
+                .execute(  # type: ignore[attr-defined]
+                    "SELECT settings FROM owner_settings ORDER BY updated DESC LIMIT 1"
+                )
+                .fetchone()
+            )
             if row and json.loads(row[0])["max_tokens"] == n:
                 time.sleep(0.3)  # anything still on its way to paint over it has arrived
                 if page.locator("#max-tokens input[type=number]").input_value() == str(n):

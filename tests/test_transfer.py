@@ -10,16 +10,14 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from doors.browser_id import COOKIE
 from engine import InvalidRequest, SamplingParams
 from engine.model.loader import LoadedModel
 from sessions.chat_settings import ChatSettings
 from sessions.importing import parse_import
 from tests.conftest import close_sessions, make_sessions
-from tests.web import bearer, running_server
+from tests.transfer_rig import chatgpt_conversation
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=6)
 MB = 1_000_000
@@ -100,40 +98,6 @@ def test_markdown_shows_the_active_branch_under_each_speaker(sm) -> None:  # noq
         speaker = "## You" if m["role"] == "user" else "## Assistant"
         at = text.index(f"{speaker}\n\n{m['content']}", at)
     assert "And damsons?" not in text  # the edited-away message is another branch
-
-
-def chatgpt_conversation() -> dict:
-    """ChatGPT's shape: a null root, a hidden system message, a question answered twice
-    (regenerated), a tool call with its output, an image part; the current node on the
-    first answer's line."""
-
-    def node(key: str, parent: str | None, children: list[str], message: dict | None) -> dict:
-        return {"id": key, "parent": parent, "children": children, "message": message}
-
-    def msg(role: str, *parts: object, **extra: object) -> dict:
-        return {
-            "author": {"role": role},
-            "content": {"content_type": "text", "parts": list(parts)},
-            "create_time": 1_700_000_000.5,
-            **extra,
-        }
-
-    hidden = {"is_visually_hidden_from_conversation": True}
-    return {
-        "title": "Trip to Porto",
-        "create_time": 1_700_000_000.0,
-        "update_time": 1_700_000_100.0,
-        "current_node": "a1b",
-        "mapping": {
-            "root": node("root", None, ["sys"], None),
-            "sys": node("sys", "root", ["u1"], msg("system", "", metadata=hidden)),
-            "u1": node("u1", "sys", ["a1", "a2"], msg("user", "Where should I eat in Porto?")),
-            "a1": node("a1", "u1", ["t1"], msg("assistant", "Let me look.", recipient="browser")),
-            "t1": node("t1", "a1", ["a1b"], msg("tool", "results...")),
-            "a1b": node("a1b", "t1", [], msg("assistant", "Try a francesinha.", {"img": 1})),
-            "a2": node("a2", "u1", [], msg("assistant", "Cafe Santiago.")),
-        },
-    }
 
 
 def test_chatgpt_conversations_json_keeps_branches_and_leaves_out_tools(sm) -> None:  # noqa: ANN001
@@ -265,75 +229,3 @@ def test_an_import_past_the_conversation_cap_imports_nothing(
 def test_parse_reads_only_within_its_limits() -> None:
     with pytest.raises(InvalidRequest, match="the limit is 0.0 MB"):
         parse_import(b"[]" * 100, max_bytes=10, max_chars=10)
-
-
-# -- over HTTP: the API and the page's download routes ----------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
-    keys.write_text("ann:key-ann-0123456789ab\nben:key-ben-0123456789ab\n")
-    apps: list = []
-    with running_server(
-        nf4_model,
-        tmp_path_factory.mktemp("transfer-http"),
-        apps=apps,
-        api_keys_file=keys,
-        session_overrides={"max_import_mb": 2.0},
-    ) as (url, _engine, sm):
-        yield url, sm, apps[0]
-
-
-def test_the_api_exports_imports_and_keeps_each_users_own(server) -> None:  # noqa: ANN001
-    url, _sm, _app = server
-    ann, ben = bearer("key-ann-0123456789ab"), bearer("key-ben-0123456789ab")
-    with httpx.Client(base_url=url, timeout=60) as http:
-        sid = http.post("/v1/sessions", json={"title": "Figs"}, headers=ann).json()["id"]
-        chat = {"messages": [{"role": "user", "content": "Hello figs"}], "max_tokens": 4}
-        r = http.post("/v1/chat/completions", json=chat, headers={**ann, "X-Session-Id": sid})
-        assert r.status_code == 200
-        md = http.get(f"/v1/sessions/{sid}/export?format=markdown", headers=ann)
-        assert md.status_code == 200 and "## You\n\nHello figs" in md.text
-        assert md.headers["content-disposition"] == 'attachment; filename="Figs.md"'
-        one = http.get(f"/v1/sessions/{sid}/export", headers=ann).json()
-        assert one["format"] == "crowdchat" and one["conversations"][0]["title"] == "Figs"
-        assert http.get(f"/v1/sessions/{sid}/export?format=pdf", headers=ann).status_code == 400
-        # ben can neither read nor export ann's conversation: the same 404 as no conversation
-        for path in (f"/v1/sessions/{sid}/export", f"/v1/sessions/{sid}"):
-            assert http.get(path, headers=ben).status_code == 404
-        imported = http.post("/v1/sessions/import", content=json.dumps(one), headers=ben)
-        assert imported.status_code == 200, imported.text
-        copy = imported.json()["data"][0]["id"]
-        assert (
-            copy != sid and http.get(f"/v1/sessions/{copy}", headers=ben).json()["title"] == "Figs"
-        )
-        everything = http.get("/v1/sessions/export", headers=ben).json()["conversations"]
-        assert [c["title"] for c in everything] == ["Figs"]
-        bad = http.post("/v1/sessions/import", content=b"[1]", headers=ben)
-        assert bad.status_code == 400 and "neither" in bad.json()["error"]["message"]
-        # past --max-import-mb (2 MB here) the door refuses it unread, naming the flag
-        big = http.post("/v1/sessions/import", content=b" " * (3 * MB), headers=ben)
-        assert big.status_code == 413 and "--max-import-mb" in big.text
-        # every other route keeps the 1 MB body cap
-        assert http.post("/v1/sessions", content=b" " * ((1 << 20) + 10), headers=ben).status_code == 413
-
-
-def test_the_pages_download_links_serve_the_cookies_owner_only(server) -> None:  # noqa: ANN001
-    url, sm, app = server
-    with httpx.Client(base_url=url, timeout=60) as one, httpx.Client(base_url=url) as two:
-        for client in (one, two):
-            assert client.get("/").status_code == 200  # the door mints the browser's cookie
-        owner = "browser:" + app.state.doors.browser_ids.verify(one.cookies[COOKIE])
-        sid = sm.create_session(owner, "Quinces")["id"]
-        sm.store.add_message(sid, "user", "quince jam?")
-        assert "## You\n\nquince jam?" in one.get(f"/export/{sid}.md").text
-        assert one.get(f"/export/{sid}.json").json()["conversations"][0]["title"] == "Quinces"
-        assert one.get("/export/all.json").json()["conversations"][0]["title"] == "Quinces"
-        assert one.get(f"/export/{sid}.exe").status_code == 404
-        # another browser gets nothing of it, and its "all" holds only its own (none)
-        for name in (f"{sid}.md", f"{sid}.json"):
-            assert two.get(f"/export/{name}").status_code == 404
-        assert two.get("/export/all.json").json()["conversations"] == []
-        # nor does a client without the cookie: it is a new browser
-        assert httpx.get(f"{url}/export/{sid}.md").status_code == 404

@@ -13,13 +13,13 @@ import httpx
 import uvicorn
 
 from app import AppConfig, build_app
+from bench.server import free_port
 from engine import (
     EngineConfig,
 )
 from engine.upstream.backend import UpstreamBackend
 from sessions import SessionConfig, SessionManager
 from tests.fake_upstream import FakeReplica
-from tests.web import free_port
 
 SESSION_HEADER = "x-session-id"
 

@@ -14,7 +14,7 @@ from app import AppConfig, build_app
 from bench.server import free_port
 from bench.stream_client import client_address
 from engine.model.loader import LoadedModel
-from tests.conftest import close_sessions, make_sessions
+from tests.rig import close_sessions, make_sessions
 
 ADMIN_PASSWORD = "correct horse battery"
 PROXY = "127.0.0.1"  # trusted_proxy=PROXY: the suite's clients come through a proxy on loopback
