@@ -40,6 +40,7 @@ from ui.chat_page import ChatPage
 from ui.keys_page import KeysSection
 from ui.monitor import Monitor
 from ui.queue_polling import poll_less
+from ui.users_admin import UsersAdmin
 
 __all__ = ["AppConfig", "build_app", "main", "parse_args"]
 
@@ -91,7 +92,7 @@ def build_app(
     if users is not None:  # admins are users with the admin role, signed in on the chat page
         app = gr.mount_gradio_app(
             app,
-            build_admin_blocks(monitor, sessions),
+            build_admin_blocks(monitor, sessions, UsersAdmin(users, keys, sessions)),
             path="/admin",
             auth_dependency=_admin_user,
             **admin_look,
@@ -137,7 +138,11 @@ def build_app(
         css_paths=css,
         theme="soft",
         show_error=False,
-        auth=throttle.guard(users_checker(users)) if users is not None else None,
+        auth=(
+            throttle.guard(users_checker(users, sessions.store.users.signed_in))
+            if users is not None
+            else None
+        ),
         max_file_size=int(sessions.config.max_import_mb * 1e6),  # uploads: imports only
     )
     resolver.gradio = _gradio_app(app, "")

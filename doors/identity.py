@@ -114,7 +114,7 @@ class Resolver:
         )
         name = self.gradio.tokens.get(token) if token else None  # type: ignore[attr-defined]
         user = self.users.get(name) if name else None
-        if user is None:
+        if user is None or user.disabled:
             return None
         return Identity(f"user:{user.name}", "sign-in", user.name, user.admin)
 
@@ -131,6 +131,6 @@ class Resolver:
         if owner is None or not owner.startswith("user:"):
             return None
         user = self.users.get(owner.removeprefix("user:"))
-        if user is None:  # removed from the users file: their keys stop working
+        if user is None or user.disabled:  # removed or disabled: their keys stop working
             return None
         return Identity(owner, "api key", user.name, user.admin)

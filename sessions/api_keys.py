@@ -67,6 +67,11 @@ class ApiKeys:
             sql, args = sql + " AND owner = ?", [*args, owner]
         return self.store.sql.write(lambda db: db.execute(sql, args).rowcount) == 1
 
+    def revoke_all(self, owner: str) -> int:
+        """Revoke every active key of `owner`; how many there were."""
+        sql = "UPDATE api_keys SET revoked = ? WHERE owner = ? AND revoked IS NULL"
+        return self.store.sql.write(lambda db: db.execute(sql, [time.time(), owner]).rowcount)
+
     def verify(self, key: str) -> str | None:
         """The owner of an active `key`, or None. Blocks on a write at most once a minute
         per key (last_used); call it off the event loop."""

@@ -178,6 +178,16 @@ def m010_shares(db: Database) -> None:
     db.execute("CREATE INDEX shares_session ON shares (session_id)")
 
 
+def m011_user_records(db: Database) -> None:
+    # with --auth (sessions.user_records): each user's last sign-in, and every change an
+    # admin made to the users (who, to whom, what)
+    db.execute("CREATE TABLE sign_ins (name TEXT PRIMARY KEY, last REAL NOT NULL)")
+    db.execute(
+        "CREATE TABLE user_changes (id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL,"
+        " actor TEXT NOT NULL, user TEXT NOT NULL, action TEXT NOT NULL)"
+    )
+
+
 MIGRATIONS: list[Callable[[Database], None]] = [
     m001_sessions,
     m002_messages,
@@ -189,6 +199,7 @@ MIGRATIONS: list[Callable[[Database], None]] = [
     m008_search,
     m009_settings,
     m010_shares,
+    m011_user_records,
 ]
 
 

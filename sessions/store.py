@@ -17,6 +17,7 @@ from sessions.search import search
 from sessions.shares import Shares
 from sessions.sqlite_worker import SQLiteWorker
 from sessions.state import SessionState
+from sessions.user_records import UserRecords
 
 SESSION_FIELDS = frozenset(
     {
@@ -54,6 +55,7 @@ class Store(Records):
         self.path = Path(path)
         self.sql = SQLiteWorker(self.path, setup=migrate, name="crowdchat-store-writer")
         self.shares = Shares(self.sql)
+        self.users = UserRecords(self.sql)
 
     def create_session(
         self, id: str, owner: str, title: str, system_prompt: str, settings: str | None = None

@@ -13,6 +13,7 @@ from sessions import SessionManager
 from ui.monitor import Monitor, memory
 from ui.queue_polling import poll_less
 from ui.shared_prompts_section import build_shared_prompts
+from ui.users_admin import UsersAdmin, build_users_section
 
 MB = 2**20
 REFRESH_S = 1.5
@@ -183,8 +184,10 @@ def served_table(monitor: Monitor) -> pd.DataFrame:
     )
 
 
-def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
-    """The live admin page (refreshes every 1.5 s)."""
+def build_admin_blocks(
+    monitor: Monitor, sessions: SessionManager, users: UsersAdmin | None = None
+) -> gr.Blocks:
+    """The live admin page (refreshes every 1.5 s); `users`: its Users section (--auth)."""
     plots = {
         "Batch and queue": ["batch", "queue"],
         "Generated tokens/s": ["tokens_per_s"],
@@ -277,6 +280,8 @@ def build_admin_blocks(monitor: Monitor, sessions: SessionManager) -> gr.Blocks:
             undrain_btn = gr.Button("Undrain", size="sm")
         result = gr.Markdown()
         build_shared_prompts(sessions)
+        if users is not None:
+            build_users_section(users)
         outputs = [mem, summary, *lines, table, served, replicas]
         timer = gr.Timer(REFRESH_S)
         timer.tick(refresh, [length], outputs, show_progress="hidden", concurrency_limit=None)

@@ -21,20 +21,30 @@ from pathlib import Path
 from engine.errors import InvalidRequest
 
 ITERATIONS = 200_000
-ROLES = ("user", "admin")
+
+
+FLAGS = ("admin", "disabled")  # what the third field of a line may hold, comma-separated
 
 
 @dataclass(frozen=True)
 class User:
-    """One line of the users file: `name:hash` or `name:hash:role`."""
+    """One line of the users file: `name:hash`, `name:hash:admin`, `name:hash:disabled` or
+    `name:hash:admin,disabled`. A disabled user cannot sign in, and their sign-ins and API
+    keys stop working at once."""
 
     name: str
     hash: str
     role: str = "user"
+    disabled: bool = False
 
     @property
     def admin(self) -> bool:
         return self.role == "admin"
+
+    @property
+    def line(self) -> str:
+        flags = [f for f, on in (("admin", self.admin), ("disabled", self.disabled)) if on]
+        return f"{self.name}:{self.hash}" + (f":{','.join(flags)}" if flags else "")
 
 
 def hash_password(password: str, salt: str | None = None) -> str:
@@ -75,12 +85,34 @@ def parse_users(data: bytes, path: Path) -> dict[str, User]:
         line = line.strip()
         if line and not line.startswith("#"):
             name, _, rest = line.partition(":")
-            stored, _, role = rest.partition(":")
-            role = role.strip() or "user"
-            if role not in ROLES:
-                raise InvalidRequest(f"{path}: user {name.strip()!r} has unknown role {role!r}")
-            users[name.strip()] = User(name.strip(), stored.strip(), role)
+            stored, _, third = rest.partition(":")
+            flags = {f.strip() for f in third.split(",") if f.strip()} - {"user"}
+            if flags - set(FLAGS):
+                what = ",".join(sorted(flags - set(FLAGS)))
+                raise InvalidRequest(f"{path}: user {name.strip()!r} has unknown role {what!r}")
+            role = "admin" if "admin" in flags else "user"
+            users[name.strip()] = User(name.strip(), stored.strip(), role, "disabled" in flags)
     return users
+
+
+def write_users(path: Path, users: dict[str, User]) -> None:
+    """The users file, whole: a new file renamed over the old one, so a running server reads
+    the old or the new, never a half-written one (which would sign everybody out)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(u.line + "\n" for u in users.values()), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def check_name(name: str) -> str | None:
+    """What is wrong with a new user name, or None."""
+    if not name or ":" in name or "," in name or name != name.strip():
+        return "the user name must be non-empty, contain no ':' or ',' and no outer spaces"
+    return None
+
+
+def check_password(password: str) -> str | None:
+    """What is wrong with a new password, or None."""
+    return "the password must have at least 8 characters" if len(password) < 8 else None
 
 
 class UsersFile:
@@ -103,6 +135,11 @@ class UsersFile:
             self._users, self._data = parse_users(data, self.path), data
         return self._users.get(name)
 
+    def all(self) -> dict[str, User]:
+        """Every user, as the file says now."""
+        self.get("")
+        return dict(self._users)
+
     def password_of(self, name: str) -> str | None:
         """`name`'s stored password hash (None: no such user): a sign-in made with another
         one has ended (doors/sign_ins.py)."""
@@ -110,8 +147,10 @@ class UsersFile:
         return user.hash if user is not None else None
 
 
-def users_checker(users: UsersFile | Path) -> Callable[[str, str], bool]:
-    """A Gradio `auth` function over the users file."""
+def users_checker(
+    users: UsersFile | Path, on_sign_in: Callable[[str], None] | None = None
+) -> Callable[[str, str], bool]:
+    """A Gradio `auth` function over the users file; `on_sign_in(name)` after each success."""
     users = users if isinstance(users, UsersFile) else UsersFile(users)
     # an unknown name is checked against this, made once: the same one PBKDF2 run a known
     # name costs, so the time of a refusal does not tell which names exist
@@ -120,7 +159,11 @@ def users_checker(users: UsersFile | Path) -> Callable[[str, str], bool]:
     def check(username: str, password: str) -> bool:
         user = users.get(username)
         ok = verify_password(password, user.hash if user is not None else unknown)
-        return ok and user is not None
+        if ok and user is not None and not user.disabled:
+            if on_sign_in is not None:
+                on_sign_in(user.name)
+            return True
+        return False
 
     return check
 
@@ -135,18 +178,13 @@ def admin_checker(admin_password: str) -> Callable[[str, str], bool]:
 
 
 def add_user(path: Path, name: str, password: str, role: str) -> None:
-    if not name or ":" in name or name != name.strip():
-        sys.exit("the user name must be non-empty, contain no ':' and no outer spaces")
-    if len(password) < 8:
-        sys.exit("the password must have at least 8 characters")
+    problem = check_name(name) or check_password(password)
+    if problem:
+        sys.exit(problem)
     users = load_users(path) if path.is_file() else {}
-    users[name] = User(name, hash_password(password), role)
-    lines = [f"{u.name}:{u.hash}" + (f":{u.role}" if u.admin else "") for u in users.values()]
-    # a new file renamed over the old one: a running server reads the old or the new, never
-    # a half-written one (which would sign everybody out for a moment)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    os.replace(tmp, path)
+    was = users.get(name)
+    users[name] = User(name, hash_password(password), role, was is not None and was.disabled)
+    write_users(path, users)
     print(f"user {name} saved in {path}" + (" (admin)" if role == "admin" else ""))
 
 
