@@ -9,6 +9,8 @@ import ctypes
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,13 +26,14 @@ from api.downloads import build_download_router
 from api.metrics import build_metrics_router
 from api.openai_api import build_router
 from api.shares import build_share_router
+from api.starting import Starting
 from doors.browser_id import BrowserIds, secret_file
 from doors.config import AppConfig
 from doors.identity import Resolver, identity_of
 from doors.middleware import Doors
 from doors.sign_ins import SignIns
 from doors.throttle import LoginThrottle
-from engine import Backend, CrowdchatError, EngineConfig, open_backend
+from engine import Backend, CrowdchatError, EngineConfig, Startup, open_backend
 from sessions import SessionConfig, SessionManager
 from sessions.api_keys import ApiKeys
 from ui.admin_page import build_admin_blocks
@@ -190,46 +193,82 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+class Opening:
+    """The engine, the sessions and the app, opened on a thread of their own while the server
+    already answers (api.starting) with the step they are at; what it opened, for the end."""
+
+    def __init__(self, args: argparse.Namespace, starting: Starting) -> None:
+        self.engine_config = EngineConfig.from_namespace(args)
+        self.session_config = SessionConfig.from_namespace(args)
+        self.app_config = AppConfig.from_namespace(args)
+        self.app_config.admin_secret()  # a missing password file stops the start at once
+        self.starting = starting
+        self.engine: Backend | None = None
+        self.sessions: SessionManager | None = None
+        self.monitor: Monitor | None = None
+        self.error: BaseException | None = None
+
+    def run(self, server: uvicorn.Server) -> None:
+        startup = self.starting.startup
+        try:
+            self.engine = open_backend(self.engine_config, startup)
+            with startup.step("opening the conversations"):
+                data = self.engine_config.data_dir
+                self.sessions = SessionManager(self.engine, self.session_config, data)
+                app, self.monitor = build_app(self.engine, self.sessions, self.app_config, data)
+            while not server.started and not server.should_exit:
+                time.sleep(0.05)
+            if server.should_exit:
+                return
+            self.starting.ready(app)
+            startup.finish()
+            c = self.app_config
+            url = f"http://{c.host}:{c.port}"
+            admin = f" · admin on {url}/admin" if c.auth_file or c.admin_secret() else ""
+            print(f"crowdchat: chat on {url}/{admin}", flush=True)
+        except BaseException as e:  # noqa: BLE001 - the server stops, main() says why
+            self.error = e
+            startup.fail(str(e))
+            server.should_exit = True
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop()
+        if self.sessions is not None:
+            self.sessions.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
 def main(argv: list[str] | None = None) -> None:
     cap_malloc_arenas()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     args = parse_args(argv)
+    starting = Starting(Startup())
     try:
-        engine_config = EngineConfig.from_namespace(args)
-        session_config = SessionConfig.from_namespace(args)
-        app_config = AppConfig.from_namespace(args)
-        engine = open_backend(engine_config)
+        opening = Opening(args, starting)
     except CrowdchatError as e:
         sys.exit(f"crowdchat: {e}")
-    sessions = SessionManager(engine, session_config, engine_config.data_dir)
+    c = opening.app_config
+    # uvicorn's own proxy headers off: it would believe any X-Forwarded-For from 127.0.0.1
+    # (FORWARDED_ALLOW_IPS); --trusted-proxy says whom to believe (build_app)
+    server = uvicorn.Server(
+        uvicorn.Config(starting, host=c.host, port=c.port, log_level="warning", proxy_headers=False)
+    )
+    opener = threading.Thread(target=opening.run, args=(server,), name="crowdchat-open")
+    opener.start()
+    print(f"crowdchat: starting on http://{c.host}:{c.port}/ (it shows each step)", flush=True)
     try:
-        app, monitor = build_app(engine, sessions, app_config, engine_config.data_dir)
-        url = f"http://{app_config.host}:{app_config.port}"
-        print(
-            f"crowdchat: chat on {url}/"
-            + (
-                f" · admin on {url}/admin"
-                if app_config.auth_file or app_config.admin_secret()
-                else ""
-            ),
-            flush=True,
-        )
-        # uvicorn's own proxy headers off: it would believe any X-Forwarded-For from 127.0.0.1
-        # (FORWARDED_ALLOW_IPS); --trusted-proxy says whom to believe (build_app)
-        uvicorn.run(
-            app,
-            host=app_config.host,
-            port=app_config.port,
-            log_level="warning",
-            proxy_headers=False,
-        )
-        monitor.stop()
-    except CrowdchatError as e:
-        sys.exit(f"crowdchat: {e}")
+        server.run()
     finally:
-        sessions.shutdown()
-        engine.shutdown()
+        server.should_exit = True
+        opener.join()
+        opening.close()
+    if isinstance(opening.error, CrowdchatError):
+        sys.exit(f"crowdchat: {opening.error}")
+    if opening.error is not None:
+        raise opening.error
 
 
 if __name__ == "__main__":

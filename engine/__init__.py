@@ -22,17 +22,19 @@ from engine.kv_file import KVExport, KVFile, KVFileDamaged, kv_crc32, read_kv_fi
 from engine.metrics import EngineStats
 from engine.model.runner import StepRunner
 from engine.sequence import FinishReason, SamplingParams
+from engine.startup import Startup
 
 
-def open_backend(config: EngineConfig) -> Backend:
-    """The upstream backend with --engine-url, else the built-in engine (loads the model)."""
+def open_backend(config: EngineConfig, startup: Startup | None = None) -> Backend:
+    """The upstream backend with --engine-url, else the built-in engine (loads the model,
+    telling `startup` each step)."""
     if config.urls():
         from engine.upstream.backend import UpstreamBackend
 
         return UpstreamBackend(config)
     from engine.core.engine import Engine
 
-    return Engine(config)
+    return Engine(config, startup=startup)
 
 
 # What the rest of crowdchat may use; everything else in engine/ is the engine's own.
@@ -54,6 +56,7 @@ __all__ = [
     "RequestHandle",
     "SamplingParams",
     "ServerBusy",
+    "Startup",
     "StepRunner",
     "kv_crc32",
     "open_backend",

@@ -34,6 +34,7 @@ from engine.model.kv_cache import KVCache, bytes_per_token, pool_blocks
 from engine.model.loader import LoadedModel, dtype_name, load_model
 from engine.model.runner import ModelRunner, RunnerFactory
 from engine.sequence import SamplingParams, Sequence, check_prompt
+from engine.startup import Startup
 from engine.threads import run_in_fresh_thread
 
 log = logging.getLogger(__name__)
@@ -53,16 +54,19 @@ class Engine(ResidentKVCalls, EngineLoop, ConfigFacts):
         config: EngineConfig,
         loaded: LoadedModel | None = None,
         runner: RunnerFactory = ModelRunner,
+        startup: Startup | None = None,
     ) -> None:
         self.config = config
-        self.loaded = loaded or load_model(config)
+        startup = startup or Startup()
+        self.loaded = loaded or load_model(config, startup)
         self.tokenizer = self.loaded.tokenizer
         self.kv_bytes_per_token = bytes_per_token(self.loaded)
-        num_blocks = pool_blocks(config, self.loaded)
-        # zero-filling is an OpenMP region: keep it off the caller's thread (engine.threads)
-        self.cache = run_in_fresh_thread(
-            lambda: KVCache(self.loaded, num_blocks, config.block_size)
-        )
+        with startup.step("sizing the KV pool"):
+            num_blocks = pool_blocks(config, self.loaded)
+            # zero-filling is an OpenMP region: keep it off the caller's thread (engine.threads)
+            self.cache = run_in_fresh_thread(
+                lambda: KVCache(self.loaded, num_blocks, config.block_size)
+            )
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.pool, config.max_num_seqs, policy=make_policy(config.schedule)

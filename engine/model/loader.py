@@ -31,6 +31,7 @@ from engine.model.fingerprint import (  # noqa: E402
     numerics_versions,
     weights_hash,
 )
+from engine.startup import Startup
 from engine.threads import run_in_fresh_thread  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -138,43 +139,52 @@ def quantization_config(quant: str, dtype: torch.dtype) -> BitsAndBytesConfig | 
     return None
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
-    """Resolve, convert if needed, and load the model and tokenizer onto the device.
+def load_model(config: EngineConfig, startup: Startup | None = None) -> LoadedModel:
+    """Resolve, convert if needed, and load the model and tokenizer onto the device;
+    `startup` hears each step.
 
     Runs on a short-lived thread (see `engine.threads`) so the caller's thread keeps no
     OpenMP team that would slow the engine thread down.
     """
-    return run_in_fresh_thread(lambda: _load_model(config), "crowdchat-loader")
+    startup = startup or Startup()
+    return run_in_fresh_thread(lambda: _load_model(config, startup), "crowdchat-loader")
 
 
-def _load_model(config: EngineConfig) -> LoadedModel:
+def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
     device = resolve_device(config.device)
     # On CPU bitsandbytes dequantizes every weight on every call; PyTorch's weight-only
     # kernels read the packed weights (see engine.model.cpu_quant).
     torch_kernels = device.type == "cpu" and config.quant != "none" and cpu_quant.available()
-    own_q4 = torch_kernels and config.quant == "nf4" and cpu_kernels.q4_linear() is not None
+    with startup.step("loading the CPU kernels"):  # built here if `make` has not yet
+        own_q4 = torch_kernels and config.quant == "nf4" and cpu_kernels.q4_linear() is not None
     dtype = resolve_dtype(config.dtype, device, own_q4)
     if config.threads is not None and device.type == "cpu":
         torch.set_num_threads(config.threads)
-    directory, model_id, files = resolve_checkpoint(config)
+    with startup.step("converting the GGUF file"):  # once: cached in the data dir
+        directory, model_id, files = resolve_checkpoint(config)
     bnb = None if torch_kernels else quantization_config(config.quant, dtype)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            directory,
-            dtype=dtype,
-            quantization_config=bnb,
-            device_map=str(device),
-            local_files_only=True,
-        )
+        with startup.step("loading the model"):
+            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                directory,
+                dtype=dtype,
+                quantization_config=bnb,
+                device_map=str(device),
+                local_files_only=True,
+            )
     except Exception as e:  # noqa: BLE001 - a one-line error naming the path, not a traceback
         raise ModelLoadError(f"cannot load model from {directory}: {e}") from e
     model.eval()
     kernel = "dense" if config.quant == "none" else "bitsandbytes"
     if torch_kernels:
-        with torch.inference_mode():
+        with torch.inference_mode(), startup.step("quantizing the model"):
             kernel = quantize.quantize_model(
-                model, config.quant, config.cpu_dense_above, config.cpu_activations
+                model,
+                config.quant,
+                config.cpu_dense_above,
+                config.cpu_activations,
+                startup.progress,
             )
     mc = model.config
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads

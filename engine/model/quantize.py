@@ -8,6 +8,7 @@ copies). The returned name goes into the KV fingerprint and onto the admin page.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -30,11 +31,16 @@ log = logging.getLogger("engine.model.cpu_quant")
 
 
 def quantize_model(
-    model: nn.Module, quant: str, dense_rows: int | None, activations: str = "auto"
+    model: nn.Module,
+    quant: str,
+    dense_rows: int | None,
+    activations: str = "auto",
+    progress: Callable[[float], None] | None = None,
 ) -> str:
     """Replace the decoder's linears (int4 or int8 per `quant`) and the output projection
     (int8, or float16 beside float16 dense copies) in place; `activations` as
-    `--cpu-activations`. Returns the kernels' name for the KV fingerprint and the admin page."""
+    `--cpu-activations`; `progress(fraction)` of the weights done, as it goes. Returns the
+    kernels' name for the KV fingerprint and the admin page."""
     dense = cpu_quant.dense_kind(model.dtype, dense_rows)
     # crowdchat's 4-bit kernel where compute is float32 (PyTorch's is fast on native bf16)
     own = quant == "nf4" and model.dtype == torch.float32 and cpu_kernels.q4_linear() is not None
@@ -47,8 +53,19 @@ def quantize_model(
     if activations == "int8" and not q8:
         log.warning("--cpu-activations int8 needs crowdchat's AVX512-VNNI kernel: bfloat16")
 
+    total = sum(m.weight.numel() for m in model.modules() if type(m) is nn.Linear) or 1
+    done = 0
+
+    def tick(weights: int) -> None:
+        nonlocal done
+        done += weights
+        if progress is not None:
+            progress(min(done / total, 1.0))
+
     def make(w: torch.Tensor, d: DenseKind | None) -> QuantLinear:
-        return Int4Linear(w, None if dot else d, own, q8) if quant == "nf4" else Int8Linear(w, d)
+        linear = Int4Linear(w, None if dot else d, own, q8) if quant == "nf4" else Int8Linear(w, d)
+        tick(w.numel())
+        return linear
 
     # q/k/v and gate/up first, each group as one packed matrix (see engine.model.fused_proj)
     groups = fuse_projections(
@@ -64,6 +81,7 @@ def quantize_model(
             if type(child) is not nn.Linear or child.bias is not None:
                 continue
             if child is model.get_output_embeddings():
+                tick(child.weight.numel())
                 if dot:  # int8 on the AVX512-BF16 kernel: half the bytes of float16
                     setattr(parent, name, Int8Linear(child.weight, None, own=True, q8=q8))
                     head = f"int8, crowdchat's AVX512 kernel, {'int8' if q8 else 'bf16'} x"
@@ -73,6 +91,7 @@ def quantize_model(
                 else:
                     setattr(parent, name, Int8Linear(child.weight, dense))
             elif quant == "nf4" and child.in_features % GROUP_SIZE:
+                tick(child.weight.numel())
                 continue  # a shape the int4 kernel cannot group: stays dense
             else:
                 setattr(parent, name, make(child.weight, dense))
