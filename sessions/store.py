@@ -74,10 +74,10 @@ class Store(Records):
             "fingerprint": None,
             "system_prompt": system_prompt,
         }
-        if settings is not None:  # a column of migration 009
+        if settings is not None:  # a column of migration 009 (older tables lack it)
             row["settings"] = settings
         self.sql.write(lambda db: db.table("sessions").insert(row))
-        return dict(row)
+        return {**row, "settings": settings}
 
     def get_session(self, id: str) -> dict | None:
         """The session `id`, or None."""

@@ -130,7 +130,7 @@ def test_a_database_from_before_settings_reads_its_conversations_with_the_last_c
     db["sessions"].insert({"id": "s", "owner": "alice", "title": "Old", "created": 0,
                            "last_active": 0, "state": "cold"})  # fmt: skip
     db["_migrations"].insert_all([{"name": m.__name__, "applied": 0} for m in before], pk="name")
-    assert migrate(db) == ["m009_settings"]
+    assert migrate(db)[0] == "m009_settings"
     db.close()
     with Store(path) as store:
         assert store.get_session("s")["settings"] is None
