@@ -35,6 +35,11 @@ class EngineConfig(Settings):
         "local Hugging Face model directory or .gguf file (off: the embedded "
         "SmolLM2-135M-Instruct)",
     )
+    chat_template: Path | None = setting(
+        None,
+        "a Jinja chat template file for a model that has none (base models' GGUF files often "
+        "carry none), as vLLM's --chat-template takes it; off: the model's own",
+    )
     quant: str = setting(
         "nf4",
         "4-bit (nf4) or 8-bit weights: bitsandbytes on CUDA, PyTorch's int4/int8 kernels on CPU",
@@ -128,6 +133,12 @@ class EngineConfig(Settings):
                 raise InvalidRequest(f"invalid engine setting: {msg}")
 
         need(self.quant in QUANT_CHOICES, f"--quant must be one of {QUANT_CHOICES}")
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", Path(self.chat_template))
+            need(
+                self.chat_template.is_file(),
+                f"--chat-template file not found: {self.chat_template}",
+            )
         need(self.dtype in DTYPE_CHOICES, f"--dtype must be one of {DTYPE_CHOICES}")
         need(self.kv_dtype in DTYPE_CHOICES, f"--kv-dtype must be one of {DTYPE_CHOICES}")
         need(self.device in DEVICE_CHOICES, f"--device must be one of {DEVICE_CHOICES}")

@@ -71,11 +71,19 @@ def paged_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     crowdchat: StepMetadata | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """Write this step's K/V into the pool, then attend per sequence. Returns `[1, T, H, D]`."""
+    """Write this step's K/V into the pool, then attend per sequence. Returns `[1, T, H, D]`.
+    A layer with a `sliding_window` (Mistral, Gemma) sees only that many last positions; one
+    with `softcap` (Gemma 2) caps its scores as `softcap * tanh(s / softcap)`: these take the
+    gathered path (the runner turns the CPU kernels off for such models, `needs_general`)."""
     meta = crowdchat
     assert meta is not None, "paged attention runs only inside the engine's model runner"
+    special = Special(sliding_window or None, softcap or None)
+    if special.any:
+        assert meta.decode_kernel is None and meta.prefill_kernel is None
     layer = module.layer_idx
     kc, vc = meta.k_cache[layer], meta.v_cache[layer]
     kc.index_copy_(1, meta.slot_mapping, key[0].to(kc.dtype))  # [H_kv, T, D]
@@ -98,6 +106,16 @@ def paged_attention(
         # a bf16 pool beside float32 compute: SDPA in float32 (bf16 is 3-5x slower without
         # native bf16), after a gather of half the bytes
         k, v = k.to(query.dtype), v.to(query.dtype)
+        if special.any:
+            q = query[0, :, g.start : g.end].transpose(0, 1).unsqueeze(2)  # [b, H, 1, D]
+            seen = torch.ones(b, nblk * bs, dtype=torch.bool, device=q.device)
+            if g.pad is not None:
+                seen = ~g.pad
+            lens = seen.sum(1)  # the decode token is the last of each context
+            allowed = special.window(seen[:, None, None, :], (lens - 1)[:, None, None, None])
+            o = special.attend(q, k.transpose(0, 1), v.transpose(0, 1), allowed, scaling)
+            out[g.start : g.end] = o[:, :, 0]
+            continue
         out[g.start : g.end] = _decode_attention(query[0, :, g.start : g.end], k, v, g.pad, scaling)
     for c in meta.prefills:
         if c.blocks is not None:
@@ -106,6 +124,21 @@ def paged_attention(
             out[c.start : c.end] = meta.prefill_kernel(q, kc, vc, c.blocks, c.cached, bs, scale)
             continue
         q = query[:, :, c.start : c.end]  # [1, H, n, D]
+        if special.any:
+            n = c.end - c.start
+            if c.context_slots is None:
+                k = _as_stored(key[:, :, c.start : c.end], kc.dtype)
+                v = _as_stored(value[:, :, c.start : c.end], vc.dtype)
+                mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            else:
+                k = kc.index_select(1, c.context_slots).unsqueeze(0).to(q.dtype)
+                v = vc.index_select(1, c.context_slots).unsqueeze(0).to(q.dtype)
+                mask = c.mask
+            first = mask.shape[1] - n  # the chunk's first position
+            rows = torch.arange(first, first + n, device=q.device)[:, None]  # [n, 1]
+            o = special.attend(q, k, v, special.window(mask, rows), scaling)
+            out[c.start : c.end] = o[0].transpose(0, 1)
+            continue
         if c.context_slots is None:
             # as the pool stores them: the same K/V whether a prompt is prefilled in one
             # chunk, in several, or after a restored prefix
@@ -122,6 +155,62 @@ def paged_attention(
             )
         out[c.start : c.end] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+@dataclass(frozen=True)
+class Special:
+    """A layer's sliding window and score cap, where it has them (None: none)."""
+
+    sliding_window: int | None
+    softcap: float | None
+
+    @property
+    def any(self) -> bool:
+        return self.sliding_window is not None or self.softcap is not None
+
+    def window(self, allowed: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+        """`allowed` [..., L] (key j at position j) narrowed to the keys within the window
+        of queries at `query_pos` (broadcast against it): j > pos - window, as transformers'
+        sliding-window masks have it."""
+        if self.sliding_window is None:
+            return allowed
+        keys = torch.arange(allowed.shape[-1], device=allowed.device)
+        return allowed & (keys > query_pos - self.sliding_window)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [B, H, n, D]
+        k: torch.Tensor,  # [B, H_kv, L, D]
+        v: torch.Tensor,  # [B, H_kv, L, D]
+        allowed: torch.Tensor,  # broadcasts to [B, H, n, L]; True: attend
+        scaling: float | None,
+    ) -> torch.Tensor:
+        """Attention as transformers' eager code computes it for such a layer: scores,
+        capped, masked, a float32 softmax. # [B, H, n, D]"""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=True
+            )
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, v)
+
+
+def needs_general(config: object) -> str | None:
+    """Why a model's attention needs the gathered path (sliding windows, capped scores), or
+    None: crowdchat's CPU kernels attend over whole contexts without a cap."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or []
+    if window and (not types or "sliding_attention" in types):
+        return f"sliding-window attention ({window} positions)"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "soft-capped attention scores"
+    return None
 
 
 def _as_stored(x: torch.Tensor, pool_dtype: torch.dtype) -> torch.Tensor:

@@ -12,6 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub, whatever the 
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -31,7 +32,7 @@ from engine.model.fingerprint import (  # noqa: E402
     numerics_versions,
     weights_hash,
 )
-from engine.startup import Startup
+from engine.startup import Startup  # noqa: E402
 from engine.threads import run_in_fresh_thread  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -163,9 +164,9 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
     with startup.step("converting the GGUF file"):  # once: cached in the data dir
         directory, model_id, files = resolve_checkpoint(config)
     bnb = None if torch_kernels else quantization_config(config.quant, dtype)
-    try:
-        with startup.step("loading the model"):
-            tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    with startup.step("loading the model"):
+        tokenizer = _tokenizer(directory, model_id, config.chat_template)
+        try:
             model = AutoModelForCausalLM.from_pretrained(
                 directory,
                 dtype=dtype,
@@ -173,8 +174,8 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
                 device_map=str(device),
                 local_files_only=True,
             )
-    except Exception as e:  # noqa: BLE001 - a one-line error naming the path, not a traceback
-        raise ModelLoadError(f"cannot load model from {directory}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - a one-line error naming the model
+            raise ModelLoadError(_unloadable(directory, model_id, e)) from e
     model.eval()
     kernel = "dense" if config.quant == "none" else "bitsandbytes"
     if torch_kernels:
@@ -230,10 +231,49 @@ def local_tokenizer(config: EngineConfig) -> tuple[PreTrainedTokenizerBase, str,
         model_id = directory.name
         if not (directory / "config.json").is_file():
             raise ModelLoadError(f"model directory has no config.json: {directory}")
+    tokenizer = _tokenizer(directory, model_id, config.chat_template)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         mc = json.loads((directory / "config.json").read_text())
     except Exception as e:  # noqa: BLE001 - a one-line error naming the path
-        raise ModelLoadError(f"cannot read the tokenizer of {directory}: {e}") from e
+        raise ModelLoadError(f"cannot read {directory / 'config.json'}: {e}") from e
     vocab = max(int(mc.get("vocab_size") or 0), len(tokenizer))
     return tokenizer, model_id, int(mc.get("max_position_embeddings") or 2048), vocab
+
+
+def _tokenizer(directory: Path, model_id: str, template: Path | None) -> PreTrainedTokenizerBase:
+    """The model's tokenizer with a chat template that renders a conversation: its own, or
+    `--chat-template`'s; ModelLoadError naming the model and the flag where it has none."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - a one-line error naming the model
+        raise ModelLoadError(f"cannot read the tokenizer of {model_id} ({directory}): {e}") from e
+    if template is not None:
+        tokenizer.chat_template = template.read_text(encoding="utf-8")
+    if not tokenizer.chat_template:
+        raise ModelLoadError(
+            f"{model_id} has no chat template (base models' GGUF files often carry none): "
+            "start with --chat-template FILE, a Jinja chat template as vLLM's --chat-template "
+            "takes it"
+        )
+    try:
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
+    except Exception as e:  # noqa: BLE001 - a template error, said in one line
+        where = f"--chat-template {template}" if template else f"the chat template of {model_id}"
+        raise ModelLoadError(f"{where} does not render a conversation: {e}") from e
+    return tokenizer
+
+
+def _unloadable(directory: Path, model_id: str, error: Exception) -> str:
+    """Why transformers cannot load the model, in a line that names it and its architecture."""
+    try:
+        mc = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        mc = {}
+    arch = ", ".join(mc.get("architectures") or []) or mc.get("model_type") or "unknown"
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"cannot load {model_id} ({directory}): transformers {transformers.__version__} "
+        f"cannot load its architecture {arch}: {first}"
+    )

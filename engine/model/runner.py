@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Protocol
 
@@ -17,6 +18,8 @@ from engine.model.loader import LoadedModel
 from engine.model.plan import StepPlan
 from engine.model.sampler import sample
 from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class StepRunner(Protocol):
@@ -83,9 +86,17 @@ class ModelRunner:
         # Llama-shaped decoders run as one flat function, bitwise the same (engine.model.lean_llama)
         self.lean = lean_forward(self.model)
         # decode attention straight from the pool's blocks on the CPU (engine.kernels.cpu_kernels)
-        self.decode_kernel = cpu_kernels.decode_attention() if self.device.type == "cpu" else None
+        general = attention.needs_general(self.model.config)
+        cpu = self.device.type == "cpu" and general is None
+        self.decode_kernel = cpu_kernels.decode_attention() if cpu else None
         # and a short prefill chunk after cached tokens (a returning user's message)
         self.prefill_kernel = cpu_kernels.prefill_attention() if self.decode_kernel else None
+        arch = (getattr(self.model.config, "architectures", None) or ["?"])[0]
+        if self.lean is not None:
+            log.info("%s: the fast path (a flat Llama forward, crowdchat's kernels)", arch)
+        else:
+            why = f"; attention gathered: {general}" if general else ""
+            log.info("%s: transformers' own forward with paged attention%s", arch, why)
         gen = getattr(self.model, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None) or loaded.tokenizer.eos_token_id
         self.stop_ids: list[int] = sorted({eos} if isinstance(eos, int) else set(eos or []))
