@@ -122,8 +122,10 @@ def measure(name: str, base: str, users: list[int], args: argparse.Namespace) ->
 
 
 def run_server(name: str, users: list[int], args: argparse.Namespace, ready: dict) -> dict:
-    """All user counts against one server: llama-server restarts per count (-np is fixed)."""
-    logs, threads = args.cache / "logs", str(args.threads)
+    """All user counts against one server. llama-server restarts per count (-np is fixed) and
+    per thread count of `args.threads` (-t and -tb alike): each point is its best setting's,
+    with `threads` (that setting) and `by_threads` (every setting's tokens/s)."""
+    logs = args.cache / "logs"
     if name == "crowdchat":
         port, data = free_port(), tempfile.mkdtemp(prefix="crowdchat-peers-")
         cmd = [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--data-dir", data]
@@ -136,24 +138,41 @@ def run_server(name: str, users: list[int], args: argparse.Namespace, ready: dic
     if name == "llamacpp":
         points = {}
         for n in users:
-            port = free_port()
-            cmd = [str(ready["llamacpp"]), "-m", str(ready["gguf"]), "-np", str(n)]
-            cmd += ["-c", str(n * args.ctx_per_user), "-t", threads, "-tb", threads]
-            cmd += ["--host", "127.0.0.1", "--port", str(port)]
-            with serving(f"{name}-np{n}", cmd, port, "/health", logs) as b:
-                points.update(measure(name, b, [n], args))
+            tried = {}
+            for t in args.threads:
+                port = free_port()
+                cmd = [str(ready["llamacpp"]), "-m", str(ready["gguf"]), "-np", str(n)]
+                cmd += ["-c", str(n * args.ctx_per_user), "-t", str(t), "-tb", str(t)]
+                cmd += ["--host", "127.0.0.1", "--port", str(port)]
+                with serving(f"{name}-np{n}-t{t}", cmd, port, "/health", logs) as b:
+                    tried[t] = measure(f"{name}-t{t}", b, [n], args)[n]
+            best = max(tried, key=lambda t: tried[t]["tokens_per_s"])
+            by_threads = {t: p["tokens_per_s"] for t, p in tried.items()}
+            points[n] = {**tried[best], "threads": best, "by_threads": by_threads}
         return points
     spec = VllmSpec(ready["vllm"], ready["hf_dir"], free_port(), kv_gb=4, dtype=args.vllm_dtype)
     with serving(name, spec.command(), spec.port, "/health", logs, spec.env()) as b:
         return measure(name, b, users, args)
 
 
+VECTOR_FLAGS = (
+    *("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl"),
+    *("avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"),
+)
+
+
 def machine(cpuinfo: str) -> dict:
-    """The CPU every figure of the run comes from (text of /proc/cpuinfo)."""
+    """The CPU every figure of the run comes from (text of /proc/cpuinfo), with its vector
+    extensions: the same benchmark reads 2x apart on AVX2 and AVX-512 boxes."""
     fields = dict(ln.split(":", 1) for ln in cpuinfo.splitlines()[::-1] if ":" in ln)
     fields = {k.strip(): v.strip() for k, v in fields.items()}  # the first CPU's values win
-    bf16 = "avx512_bf16" in fields.get("flags", "").split()
-    return {"cpu": fields.get("model name", ""), "cores": os.cpu_count(), "avx512_bf16": bf16}
+    flags = set(fields.get("flags", "").split())
+    return {
+        "cpu": fields.get("model name", ""),
+        "cores": os.cpu_count(),
+        "avx512_bf16": "avx512_bf16" in flags,
+        "vector_extensions": [f for f in VECTOR_FLAGS if f in flags],
+    }
 
 
 def git_commit() -> str:
@@ -178,12 +197,26 @@ def summarize(results: dict[str, dict[int, dict]], users: list[int]) -> dict:
     mine = results.get("crowdchat", {})
     for n in users:
         out[f"users_{n}_tokens_per_s"] = mine.get(n, {}).get("tokens_per_s")
+
+    def ratio(ours: float | None, theirs: float | None) -> float | None:
+        return round(ours / theirs, 2) if ours and theirs else None
+
     for peer in ("llamacpp", "vllm"):
         for n in users:
-            theirs = results.get(peer, {}).get(n, {}).get("tokens_per_s")
+            point = results.get(peer, {}).get(n, {})
             ours = mine.get(n, {}).get("tokens_per_s")
-            out[f"users_{n}_vs_{peer}"] = round(ours / theirs, 2) if ours and theirs else None
+            by_threads = point.get("by_threads")
+            if by_threads:  # llama-server: its default (every core) and its best setting
+                default = by_threads.get(max(by_threads))
+                out[f"users_{n}_vs_{peer}"] = ratio(ours, default)
+                out[f"users_{n}_vs_{peer}_best"] = ratio(ours, point.get("tokens_per_s"))
+                out[f"{peer}_users_{n}_best_threads"] = point.get("threads")
+                out[f"{peer}_users_{n}_by_threads"] = by_threads
+            else:
+                out[f"users_{n}_vs_{peer}"] = ratio(ours, point.get("tokens_per_s"))
     for key in ("users_1_vs_llamacpp", "users_32_vs_llamacpp", "users_32_vs_vllm"):
+        out.setdefault(key, None)
+    for key in ("users_1_vs_llamacpp_best", "users_32_vs_llamacpp_best"):
         out.setdefault(key, None)
     for n in (1, 32):
         out.setdefault(f"users_{n}_tokens_per_s", None)
@@ -204,7 +237,12 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "crowdchat" / "peers")
     ap.add_argument("--crowdchat-args", default="", help="flags for app.py, e.g. '--quant none'")
     ap.add_argument("--ctx-per-user", type=int, default=1024, help="llama-server: -c N*this")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server threads")
+    ap.add_argument(
+        "--threads",
+        default=",".join(str(t) for t in range(1, (os.cpu_count() or 1) + 1)),
+        help="llama-server thread counts to try, -t and -tb alike (default: every count from "
+        "1 to the cores); each user count is compared with the best and with all cores",
+    )
     add_vllm_dtype(ap)
     ap.add_argument(
         "--neighbour",
@@ -216,6 +254,7 @@ def main() -> None:
     if unknown := set(names) - set(SERVERS):
         raise SystemExit(f"unknown servers: {sorted(unknown)} (known: {', '.join(SERVERS)})")
     users = [int(u) for u in args.users.split(",")]
+    args.threads = sorted({int(t) for t in args.threads.split(",")})
     args.cache.mkdir(parents=True, exist_ok=True)
     skipped: dict[str, str] = {}
     ready: dict[str, Path] = {}

@@ -87,7 +87,25 @@ def test_a_skipped_peer_leaves_its_ratios_null_but_present():
 def test_the_machine_names_the_first_cpu_and_whether_it_has_avx512_bf16():
     info = "model name\t: Xeon X\nflags\t\t: sse avx512f avx512_bf16\n\nmodel name\t: Xeon X\n"
     assert machine(info)["cpu"] == "Xeon X" and machine(info)["avx512_bf16"] is True
-    assert machine("model name: EPYC\nflags: avx2\n")["avx512_bf16"] is False
+    assert machine(info)["vector_extensions"] == ["avx512f", "avx512_bf16"]
+    epyc = machine("model name: EPYC\nflags: sse fma avx avx2\n")
+    assert epyc["avx512_bf16"] is False and epyc["vector_extensions"] == ["avx", "avx2", "fma"]
+
+
+def test_llama_server_is_compared_at_its_best_thread_count_and_at_all_cores():
+    def point(tps: float, by: dict | None = None) -> dict:
+        extra = {"threads": max(by, key=by.get), "by_threads": by} if by else {}
+        return {"tokens_per_s": tps, "ttft_p50_s": 0.1, "errors": {}, **extra}
+
+    results = {
+        "crowdchat": {1: point(45.0), 32: point(150.0)},
+        "llamacpp": {1: point(56.0, {1: 56.0, 2: 28.0}), 32: point(100.0, {1: 65.0, 2: 100.0})},
+    }
+    out = summarize(results, [1, 32])
+    assert out["users_1_vs_llamacpp_best"] == 0.8 and out["users_1_vs_llamacpp"] == 1.61
+    assert out["users_32_vs_llamacpp_best"] == 1.5 and out["users_32_vs_llamacpp"] == 1.5
+    assert out["llamacpp_users_1_best_threads"] == 1
+    assert out["llamacpp_users_1_by_threads"] == {1: 56.0, 2: 28.0}
 
 
 STUB = """#!/usr/bin/env python3
@@ -127,7 +145,7 @@ def test_llama_server_restarts_per_user_count_and_gets_each_users_whole_history(
     stub.chmod(0o755)
     args = argparse.Namespace(
         cache=tmp_path,
-        threads=2,
+        threads=[1, 2],
         ctx_per_user=1024,
         turns=2,
         new_tokens=5,
@@ -137,13 +155,17 @@ def test_llama_server_restarts_per_user_count_and_gets_each_users_whole_history(
     ready = {"llamacpp": stub, "gguf": Path("/m.gguf")}
     points = run_server("llamacpp", [1, 3], args, ready)
     assert [points[n]["tokens"] for n in (1, 3)] == [10, 30]  # counted from content chunks
-    assert stub.with_suffix(".argv").read_text().splitlines() == [
+    assert all(set(points[n]["by_threads"]) == {1, 2} for n in (1, 3))
+    assert all(points[n]["threads"] in (1, 2) for n in (1, 3))
+    assert stub.with_suffix(".argv").read_text().splitlines() == [  # every thread count
+        "-m /m.gguf -np 1 -c 1024 -t 1 -tb 1 --host 127.0.0.1 --port",
         "-m /m.gguf -np 1 -c 1024 -t 2 -tb 2 --host 127.0.0.1 --port",
+        "-m /m.gguf -np 3 -c 3072 -t 1 -tb 1 --host 127.0.0.1 --port",
         "-m /m.gguf -np 3 -c 3072 -t 2 -tb 2 --host 127.0.0.1 --port",
     ]
     sent = [json.loads(line) for line in stub.with_suffix(".requests").read_text().splitlines()]
     second_turns = [r["messages"] for r in sent if len(r["messages"]) > 1]
-    assert len(second_turns) == 1 + 3
+    assert len(second_turns) == 2 * (1 + 3)
     assert all(m[1] == {"role": "assistant", "content": "t0 t1 t2 t3 t4 "} for m in second_turns)
     assert all(r["ignore_eos"] and r["model"] == "stub" for r in sent)
 
