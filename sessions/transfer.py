@@ -47,24 +47,19 @@ class Transfers:
             int(self.config.max_import_mb * 1e6),
             IMPORTED_CHARS_PER_TYPED * self.config.max_message_chars,
         )
-        n = len(parsed.conversations)
-        if n == 0:
+        if not parsed.conversations:
             raise InvalidRequest("the file holds no conversation")
-        cap, have = self.config.max_sessions_per_user, self.store.count_sessions(owner)
-        if cap and have + n > cap:
-            raise InvalidRequest(
-                f"the file holds {n} conversations and you have {have}; the limit is {cap} "
-                "per user: delete some first, or import fewer"
-            )
+        self._room_for(owner, len(parsed.conversations), "the file holds")
         return self.store.import_conversations(owner, parsed.conversations), parsed.skipped
 
     # -- share links --------------------------------------------------------------------
     def share(self, owner: str, sid: str) -> dict:
         """A new read-only link to the conversation's active branch as it is now."""
         session = self.get_session(owner, sid)
-        if not any(m["content"] for m in self.store.messages(sid)):
+        messages = self.store.messages(sid)
+        if not any(m["content"] for m in messages):
             raise InvalidRequest("there is nothing to share yet: the conversation is empty")
-        return self.store.shares.create(owner, session, self.store.messages(sid))
+        return self.store.shares.create(owner, session, messages)
 
     def shares(self, owner: str, sid: str) -> list[dict]:
         """The owner's live links to the conversation, newest first."""
@@ -88,12 +83,19 @@ class Transfers:
             Message(i - 1 if i else None, m["role"], m["content"], shared["created"])
             for i, m in enumerate(shared["messages"])
         ]
+        self._room_for(owner, 1, "continuing it adds")
         now = time.time()
-        cap, have = self.config.max_sessions_per_user, self.store.count_sessions(owner)
-        if cap and have >= cap:
-            raise InvalidRequest(f"you have {have} conversations, the limit: delete one first")
         copy = Conversation(shared["title"], now, now, messages=messages)
         return self.store.import_conversations(owner, [copy])[0]
+
+    def _room_for(self, owner: str, n: int, what: str) -> None:
+        """InvalidRequest if `n` more conversations would take `owner` past the cap."""
+        cap, have = self.config.max_sessions_per_user, self.store.count_sessions(owner)
+        if cap and have + n > cap:
+            raise InvalidRequest(
+                f"{what} {n} conversation{'s' * (n != 1)} and you have {have}; the limit is "
+                f"{cap} per user: delete some first"
+            )
 
     def _settings(self, row: dict) -> dict | None:
         stored = ChatSettings.from_json(row.get("settings"))
