@@ -8,6 +8,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -58,11 +59,12 @@ def _settings_field(body: dict, base: ChatSettings | None = None) -> ChatSetting
 
 
 def _attachment(content: str, name: str, media_type: str) -> Response:
-    return Response(
-        content,
-        media_type=media_type,
-        headers={"Content-Disposition": f'attachment; filename="{name}"'},
-    )
+    """A download named `name`: an ASCII `filename` for every client, the name itself in
+    `filename*` (RFC 6266) for those that read it (a header is Latin-1: a title in another
+    script would not fit)."""
+    plain = name.encode("ascii", "ignore").decode() or "conversation"
+    disposition = f"attachment; filename=\"{plain}\"; filename*=UTF-8''{quote(name)}"
+    return Response(content, media_type=media_type, headers={"Content-Disposition": disposition})
 
 
 def json_attachment(export: dict, name: str) -> Response:

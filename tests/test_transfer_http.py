@@ -40,7 +40,14 @@ def test_the_api_exports_imports_and_keeps_each_users_own(server) -> None:  # no
         assert r.status_code == 200
         md = http.get(f"/v1/sessions/{sid}/export?format=markdown", headers=ann)
         assert md.status_code == 200 and "## You\n\nHello figs" in md.text
-        assert md.headers["content-disposition"] == 'attachment; filename="Figs.md"'
+        assert md.headers["content-disposition"] == (
+            "attachment; filename=\"Figs.md\"; filename*=UTF-8''Figs.md"
+        )
+        # a title in another script still names the file (in filename*), never a 500
+        kyoto = http.post("/v1/sessions", json={"title": "京都 trip"}, headers=ann).json()["id"]
+        named = http.get(f"/v1/sessions/{kyoto}/export", headers=ann)
+        assert named.status_code == 200
+        assert named.headers["content-disposition"].endswith("%E4%BA%AC%E9%83%BD-trip.json")
         one = http.get(f"/v1/sessions/{sid}/export", headers=ann).json()
         assert one["format"] == "crowdchat" and one["conversations"][0]["title"] == "Figs"
         assert http.get(f"/v1/sessions/{sid}/export?format=pdf", headers=ann).status_code == 400
