@@ -58,12 +58,20 @@ def sdist_url(meta: dict, base: str = PYPI_JSON) -> str:
     raise RuntimeError("no sdist in the PyPI release")
 
 
+# -march=native without AMX: a VM can list amx_tile among its CPU's flags yet not grant the
+# tile state (this project's Sapphire Rapids box: llama-server died with SIGILL at its first
+# matmul); explicit -mno-* flags win over -march whatever their order. Its own build dir, so
+# a build from before is not reused.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+BUILD_DIR = "llama-build-noamx"
+
+
 def prepare_llamacpp(cache: Path) -> Path:
     """llama-server built with cmake from the llama.cpp vendored in llama-cpp-python's sdist.
 
     The sdist is fetched directly: `pip download --no-binary` would build its build
     dependencies from source first, which takes far longer than llama-server itself."""
-    exe = cache / "llama-build" / "bin" / "llama-server"
+    exe = cache / BUILD_DIR / "bin" / "llama-server"
     if exe.is_file():
         return exe
     sdist, log = cache / "sdist", cache / "cmake.log"
@@ -80,9 +88,10 @@ def prepare_llamacpp(cache: Path) -> Path:
         with tarfile.open(archive) as tar:
             tar.extractall(sdist, filter="data")
     src = sorted(sdist.glob("llama_cpp_python-*/vendor/llama.cpp"))[-1]
-    build = cache / "llama-build"
+    build = cache / BUILD_DIR
     configure = ["cmake", "-S", str(src), "-B", str(build), "-DLLAMA_CURL=OFF"]
     configure += ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-G", "Ninja"]
+    configure += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
     log_run(configure, log)
     log_run(["cmake", "--build", str(build), "--target", "llama-server", "-j", "2"], log)
     with log.open("a") as out:
