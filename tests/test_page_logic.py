@@ -218,3 +218,18 @@ def test_a_conversation_deleted_as_its_turn_starts_leaves_no_turn_holding_the_us
     *_, (chatbot, status, _box, sid, _convos, _editing) = sent(page, me, "Hi.", None, False)
     assert status == "" and chatbot[-1]["role"] == "assistant" and chatbot[-1]["content"]
     assert not sm._active
+
+
+def test_a_reply_ending_as_the_user_leaves_does_not_leave_the_list_on_it(on_page: tuple) -> None:
+    """The reply ends, selecting its conversation in the list, just before the click on
+    another reaches the server: the list must end on the conversation shown, or a click back
+    on the reply's (then the selected item) would change nothing and never open it."""
+    _engine, sm, page, owner, me = on_page
+    screen = Screen()
+    other = sm.create_session(owner)["id"]
+    sm.store.add_message(other, "user", "an older question")
+    stream = page.on_send("Hi.", None, False, "", 0.0, 1.0, 4, 1.0, screen, me)
+    *_, end = list(stream)  # ended while still on screen: the list selects the reply's
+    assert end[4]["value"] == end[3]
+    opened = page.on_select(other, screen, me)  # the click, answered after the end
+    assert opened[0] == other and opened[4] == gr.update(value=other)

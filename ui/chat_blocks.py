@@ -208,7 +208,7 @@ def build_chat_blocks(
         selected = convos.input(
             page.on_select,
             [convos, screen],
-            [sid, chatbot, status, system],
+            [sid, chatbot, status, system, convos],
             concurrency_limit=None,
         )
         then_bar(selected)

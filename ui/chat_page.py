@@ -60,21 +60,25 @@ class ChatPage(ReplyStream):
         return gr.update(choices=choices, value=sid), sid, history, system
 
     def on_select(self, sid: str | None, screen: Screen, request: gr.Request):  # noqa: ANN201
-        """Outputs: sid, chatbot, status, system prompt box. A reply still streaming in the
-        conversation comes back on screen at its next delta (see _stream)."""
+        """Outputs: sid, chatbot, status, system prompt box, the list's selection. A reply
+        still streaming in the conversation comes back on screen at its next delta (see
+        _stream). The list is set to what is shown: a reply that ended in the conversation
+        the user just left selects that one in the list as it ends, and its answer can reach
+        the browser after the click; a list left on it would then not let the user click
+        back to it (a click on the selected item changes nothing)."""
         owner = self.owner(request)
         if not sid:
             screen.sid = None
-            return None, [], "", ""
+            return None, [], "", "", gr.update(value=None)
         try:
             history, system = self.opened(owner, sid)
         except CrowdchatError as e:
             screen.sid = None
-            return None, [], f"Error: {e}", ""
+            return None, [], f"Error: {e}", "", gr.update(value=None)
         # from here a reply streaming elsewhere stops painting, and repaints this conversation
         # once in case its last delta reaches the browser after this (see _stream)
         screen.sid = sid
-        return sid, history, "", system
+        return sid, history, "", system, gr.update(value=sid)
 
     def on_new(self, screen: Screen):  # noqa: ANN201
         """A new conversation starts with an empty system prompt, not the last one's."""

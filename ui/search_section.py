@@ -48,5 +48,5 @@ class SearchSection:
                 self.sm.show_message(owner, sid, int(message))
         except (CrowdchatError, ValueError) as e:
             return gr.skip(), gr.skip(), f"Error: {e}", gr.skip(), gr.skip()
-        opened = self.page.on_select(sid or None, screen, request)
+        opened = self.page.on_select(sid or None, screen, request)[:4]
         return *opened, gr.update(choices=self.page.choices(owner), value=opened[0])
