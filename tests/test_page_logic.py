@@ -233,3 +233,18 @@ def test_a_reply_ending_as_the_user_leaves_does_not_leave_the_list_on_it(on_page
     assert end[4]["value"] == end[3]
     opened = page.on_select(other, screen, me)  # the click, answered after the end
     assert opened[0] == other and opened[4] == gr.update(value=other)
+
+
+def test_every_event_that_changes_the_screen_refreshes_each_part_of_it_once(
+    on_page: tuple,
+) -> None:
+    """The follow-ups of an event (branch bar, sliders, export links, share links, usage) are
+    chained once each: twice would run each refresh twice."""
+    from collections import Counter
+
+    from ui.chat_blocks import build_chat_blocks
+
+    _engine, _sm, page, _owner, _me = on_page
+    names = Counter(fn.name for fn in build_chat_blocks(page, 4).fns.values())
+    follow_ups = {n: names[n] for n in ("render", "on_show", "on_links", "on_list", "on_usage")}
+    assert len(set(follow_ups.values())) == 1 and follow_ups["render"] > 1, follow_ups

@@ -142,17 +142,18 @@ def build_chat_blocks(
                 "show_progress": "hidden",
                 "trigger_mode": "always_last",
             }
-            last = quiet["trigger_mode"]
-            event.then(
-                bar.render, [sid, screen], bar_outputs, concurrency_limit=None, trigger_mode=last
-            )  # type: ignore[attr-defined]
+            event.then(  # type: ignore[attr-defined]
+                bar.render,
+                [sid, screen],
+                bar_outputs,
+                concurrency_limit=None,
+                trigger_mode="always_last",
+            )
             event.then(settings.on_show, [sid, screen], sampling, **quiet)  # type: ignore[attr-defined]
             event.then(transfer.on_links, [sid], [links], **quiet)  # type: ignore[attr-defined]
             if share_links:
                 event.then(sharing.on_list, [sid], [share_list], **quiet)  # type: ignore[attr-defined]
             event.then(usage_line.on_usage, None, [usage], **quiet)  # type: ignore[attr-defined]
-            if share_links:
-                event.then(sharing.on_list, [sid], [share_list], **quiet)  # type: ignore[attr-defined]
 
         send_inputs = [box, sid, editing, system, *sampling, screen]
         # "multiple": a reply still running in a conversation the user left must not block
