@@ -11,7 +11,6 @@ from starlette.concurrency import run_in_threadpool
 from api.sessions_api import json_attachment, markdown_attachment
 from doors.identity import identity_of
 from sessions import SessionManager, SessionNotFound
-from sessions.export import file_name
 
 EXPORT_ALL = "all"  # /export/all.json: every conversation of the user's
 
@@ -27,16 +26,13 @@ def build_download_router(sessions: SessionManager) -> APIRouter:
             return PlainTextResponse("Sign in on the chat page first.", 401)
         stem, _, suffix = name.rpartition(".")
         try:
-            if stem == EXPORT_ALL and suffix == "json":
-                export = await run_in_threadpool(sessions.export_json, identity.owner)
-                return json_attachment(export, "crowdchat-conversations.json")
+            if suffix == "json":  # one conversation, or every one of the user's
+                sid = None if stem == EXPORT_ALL else stem
+                found = await run_in_threadpool(sessions.export_json_file, identity.owner, sid)
+                return json_attachment(*found)
             if suffix == "md":
                 found = await run_in_threadpool(sessions.export_markdown, identity.owner, stem)
                 return markdown_attachment(*found)
-            if suffix == "json":
-                row = await run_in_threadpool(sessions.get_session, identity.owner, stem)
-                export = await run_in_threadpool(sessions.export_json, identity.owner, stem)
-                return json_attachment(export, file_name(row["title"], ".json"))
         except SessionNotFound:
             pass
         return PlainTextResponse("No such conversation of yours.", 404)

@@ -19,7 +19,6 @@ from doors.identity import bearer, identity_of, token_owner
 from engine import InvalidRequest
 from sessions import SessionManager
 from sessions.chat_settings import ChatSettings
-from sessions.export import file_name
 
 
 def owner_of(request: Request) -> str:
@@ -67,7 +66,7 @@ def _attachment(content: str, name: str, media_type: str) -> Response:
     return Response(content, media_type=media_type, headers={"Content-Disposition": disposition})
 
 
-def json_attachment(export: dict, name: str) -> Response:
+def json_attachment(name: str, export: dict) -> Response:
     """An export file as a download."""
     return _attachment(json.dumps(export, ensure_ascii=False, indent=1), name, "application/json")
 
@@ -134,7 +133,7 @@ def build_sessions_router(sessions: SessionManager, share_links: bool = True) ->
     async def export_all(request: Request) -> Response:
         """Every conversation of the caller's, every branch, as one JSON file."""
         return await answer(
-            request, lambda owner: json_attachment(sessions.export_json(owner), "crowdchat.json")
+            request, lambda owner: json_attachment(*sessions.export_json_file(owner))
         )
 
     @router.post("/v1/sessions/import")
@@ -160,7 +159,7 @@ def build_sessions_router(sessions: SessionManager, share_links: bool = True) ->
 
         def read(owner: str) -> dict:
             row = sessions.get_session(owner, sid)
-            settings = sessions.stored_settings(owner, sid)
+            settings = ChatSettings.from_json(row.get("settings"))
             return {
                 **session_object(row),
                 "created": int(row["created"]),
@@ -168,7 +167,7 @@ def build_sessions_router(sessions: SessionManager, share_links: bool = True) ->
                 "settings": None if settings is None else settings.as_dict(),
                 "messages": [
                     {"role": m["role"], "content": m["content"], "branches": m["branches"]}
-                    for m in sessions.messages(owner, sid)
+                    for m in sessions.store.messages(sid)  # the owner's: checked above
                 ],
             }
 
@@ -213,10 +212,7 @@ def build_sessions_router(sessions: SessionManager, share_links: bool = True) ->
                 return markdown_attachment(*sessions.export_markdown(owner, sid))
             if format != "json":
                 raise InvalidRequest("format must be json or markdown")
-            row = sessions.get_session(owner, sid)
-            return json_attachment(
-                sessions.export_json(owner, sid), file_name(row["title"], ".json")
-            )
+            return json_attachment(*sessions.export_json_file(owner, sid))
 
         return await answer(request, export)
 

@@ -13,6 +13,7 @@ from sessions.importing import Conversation, Message, parse_import
 
 # an imported message may be longer than one a user types (a long reply of another service)
 IMPORTED_CHARS_PER_TYPED = 10
+ALL_FILE = "crowdchat-conversations.json"  # the name of an export of all of a user's
 
 
 class Transfers:
@@ -22,13 +23,13 @@ class Transfers:
     def export_json(self, owner: str, sid: str | None = None) -> dict:
         """The conversation `sid` (None: every one of the owner's) as crowdchat's export file:
         every branch, the settings and the timestamps."""
-        rows = [self.get_session(owner, sid)] if sid else self.store.list_sessions(owner)
-        return export_file(
-            [
-                conversation_json(row, self.store.message_tree(row["id"]), self._settings(row))
-                for row in rows
-            ]
-        )
+        return self._export(self._exported(owner, sid))
+
+    def export_json_file(self, owner: str, sid: str | None = None) -> tuple[str, dict]:
+        """(file name, `export_json`): the conversation's title, or one name for all."""
+        rows = self._exported(owner, sid)
+        name = file_name(rows[0]["title"], ".json") if sid else ALL_FILE
+        return name, self._export(rows)
 
     def export_markdown(self, owner: str, sid: str) -> tuple[str, str]:
         """(file name, Markdown) of the conversation's active branch."""
@@ -87,6 +88,17 @@ class Transfers:
         now = time.time()
         copy = Conversation(shared["title"], now, now, messages=messages)
         return self.store.import_conversations(owner, [copy])[0]
+
+    def _exported(self, owner: str, sid: str | None) -> list[dict]:
+        return [self.get_session(owner, sid)] if sid else self.store.list_sessions(owner)
+
+    def _export(self, rows: list[dict]) -> dict:
+        return export_file(
+            [
+                conversation_json(row, self.store.message_tree(row["id"]), self._settings(row))
+                for row in rows
+            ]
+        )
 
     def _room_for(self, owner: str, n: int, what: str) -> None:
         """InvalidRequest if `n` more conversations would take `owner` past the cap."""

@@ -52,7 +52,7 @@ class UsersAdmin:
         rows = []
         for name, u in sorted(users.items()):
             owner = f"user:{name}"
-            usage = self.sessions.usage(owner)
+            used, reserved, _ = self.sessions.limiter.standing(owner)
             conversations, tokens = totals.get(owner, (0, 0))
             rows.append(
                 [
@@ -62,7 +62,7 @@ class UsersAdmin:
                     _when(signed.get(name)),
                     conversations,
                     tokens,
-                    usage["tokens_used"] + usage["tokens_reserved"],
+                    used + reserved,
                     active.get(owner, 0),
                 ]  # fmt: skip
             )
