@@ -135,17 +135,19 @@ def test_the_default_cpu_model_runs_on_torch_int4_kernels(nf4_model: LoadedModel
     own = nf4_model.dtype == torch.float32
     assert all(m.own == own for m in nf4_model.model.modules() if isinstance(m, Int4Linear))
     int4 = "crowdchat-int4g32" if own else "torch-int4g32"
-    # on AVX512-BF16 CPUs crowdchat's kernels run every row count: no dense copies beside them,
-    # and the output projection int8 on the same kind of kernel
+    # on AVX512-BF16 CPUs, and wherever the int8-activation kernels run (AVX2 and
+    # AVX512-VNNI; --cpu-activations auto), crowdchat's kernels run every row count: no dense
+    # copies beside them, and the output projection int8 on the same kind of kernel
+    q8 = own and cpu_kernels.q8_activations()
     dot = own and cpu_kernels.q4_dot_layout()
     layers = nf4_model.model.model.layers
-    assert all((m.dense is None) == dot for m in layers.modules() if isinstance(m, Int4Linear))
-    if dot:
-        assert isinstance(head, Int8Linear) and head.own and head.dense is None
-        # int8 activations where the kernel has them (--cpu-activations auto)
-        q8 = cpu_kernels.q8_activations()
-        assert all(m.q8 == q8 for m in layers.modules() if isinstance(m, Int4Linear))
-        assert nf4_model.kernel == "crowdchat-dot-int4g32" + ("-q8" if q8 else "")
+    packed = [m for m in layers.modules() if isinstance(m, Int4Linear)]
+    assert all((m.dense is None) == (dot or q8) for m in packed)
+    assert all(m.q8 == q8 for m in packed)
+    if dot or q8:
+        assert isinstance(head, Int8Linear) and head.own and head.dense is None and head.q8 == q8
+        layout = "-dot" if dot else ""
+        assert nf4_model.kernel == f"crowdchat{layout}-int4g32" + ("-q8" if q8 else "")
     elif cpu_quant.dense_kind(nf4_model.dtype, None).fp16:
         assert isinstance(head, Fp16Linear)
         assert nf4_model.kernel == int4 + "+fp16"

@@ -91,11 +91,19 @@ def q8_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.double(), (amax / 127).double()
 
 
-def q8_reference(x: torch.Tensor, lin: Int4Linear) -> torch.Tensor:
-    """What the int8-activation kernel computes, in float64 from its own inputs: x rounded per
-    group of 32 to int8 (`q8_inputs`), times the 4-bit weights."""
+def q4_values(lin: Int4Linear) -> tuple[torch.Tensor, ...]:
+    """The 4-bit weights an int8-activation kernel computes with, from its own layout (the
+    AVX512 one, `pack_for_dot`, or the AVX2 one, `pack_for_avx2`): nibbles [N, K/32, 32], scales
+    and offsets `zero - 8 scale` [N, K/32], float64."""
     g = GROUP_SIZE
-    q, d = q8_inputs(x)
+    if lin.packed.shape[-1] == 128:  # AVX2: per 4 values of K, byte 4c + j: c low, c + 4 high
+        blocks, groups = lin.packed.shape[:2]
+        b = lin.packed.view(blocks, groups, 8, 4, 4).long()  # block, group, t, column, j
+        qw = torch.stack([b & 15, b >> 4], 1)  # block, half, group, t, column, j
+        qw = qw.permute(0, 1, 4, 2, 3, 5).reshape(blocks * 8, groups, g).double()
+        sz = lin.scales_zeros.view(blocks, groups, 2, 8).permute(2, 0, 3, 1).double()
+        scale, zero = sz[0].reshape(-1, groups), sz[1].reshape(-1, groups)
+        return qw, scale, zero - 8 * scale
     blocks, groups = lin.packed.shape[:2]
     so = lin.scales_zeros.view(blocks, groups, 2, 16).permute(2, 0, 3, 1).double()
     scale, offset = so[0].reshape(-1, groups), so[1].reshape(-1, groups)  # [N, K/32]
@@ -103,19 +111,36 @@ def q8_reference(x: torch.Tensor, lin: Int4Linear) -> torch.Tensor:
     b = lin.packed.view(blocks, groups, 8, 16, 2).long()  # block, group, t, column, i % 2
     qw = torch.stack([b & 15, b >> 4], 4)  # ..., half, i % 2: K = 4t + 2 half + i % 2
     qw = qw.permute(0, 3, 1, 2, 4, 5).reshape(blocks * 16, groups, g).double()
+    return qw, scale, offset
+
+
+def q8_reference(x: torch.Tensor, lin: Int4Linear) -> torch.Tensor:
+    """What the int8-activation kernel computes, in float64 from its own inputs: x rounded per
+    group of 32 to int8 (`q8_inputs`), times the 4-bit weights."""
+    q, d = q8_inputs(x)
+    qw, scale, offset = q4_values(lin)
     dots = torch.einsum("mgk,ngk->mng", q, qw)
     sums = q.sum(-1)  # [M, K/32]
     return (d.squeeze(-1)[:, None] * (scale * dots + offset * sums[:, None])).sum(-1)
 
 
+def int8_values(lin: Int8Linear) -> torch.Tensor:
+    """The int8 weights [N, K] the int8-activation kernel computes with, from its layout."""
+    n, k = lin.out_features, lin.in_features
+    if lin.qweight.dtype == torch.int8:  # AVX2: [N/8, K/4, 32], bytes 4c + j: K = 4t + j
+        return lin.qweight.view(n // 8, k // 4, 8, 4).permute(0, 2, 1, 3).reshape(n, k).long()
+    q = lin.qweight.view(n // 16, k // 4, 16, 4).permute(0, 2, 1, 3).reshape(n, k).long()
+    return q - 128  # AVX512-VNNI: uint8 q + 128 [N/16, K/4, 64]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_int8_activation_kernel_computes_llama_cpps_model(seed: int) -> None:
-    """`--cpu-activations int8` (csrc/q4_linear.cpp `q4_dot_q8`): x rounded to int8 per group
-    of 32 as llama.cpp rounds it, the integer sums exact; the output within float32 summation
+    """`--cpu-activations int8` (csrc/q4_linear.cpp `q4_dot_q8` on AVX512-VNNI, csrc/q8_avx2.cpp
+    on AVX2): x rounded to int8 per group of 32 as llama.cpp rounds it, the integer sums exact; the output within float32 summation
     order of that model, then one bf16 ulp; within ~1% of the bfloat16-activation kernel;
     each row's output bitwise the same alone or in any batch; an all-zero group stays 0."""
     if not cpu_kernels.q8_activations():
-        pytest.skip("this CPU has no AVX512-VNNI with AVX512-BF16 (or the kernels are not built)")
+        pytest.skip("this build has no int8-activation kernel (AVX2 or AVX512-VNNI)")
     gen = torch.Generator().manual_seed(seed)
     n, k = [(96, 64), (208, 576), (576, 1536), (48, 32)][seed]
     w = q4_1_weights(gen, n, k) * (1 + 10 * seed)
@@ -130,19 +155,19 @@ def test_int8_activation_kernel_computes_llama_cpps_model(seed: int) -> None:
 
 
 def test_int8_activation_output_projection() -> None:
-    """The output projection's int8 weights with int8 x (`int8_dot` on uint8 weights + 128):
-    per group of 32 the integer sums exact (the +128 taken off with the group's sum of x), so
+    """The output projection's int8 weights with int8 x (`int8_dot`: on AVX512-VNNI uint8
+    weights + 128, the +128 taken off with the group's sum of x; on AVX2 |w| times x with w's
+    sign): per group of 32 the integer sums exact, so
     within float32 summation order of x rounded as the 4-bit kernel rounds it, then one bf16
     ulp; within ~1% of the bf16-x kernel; each row the same alone or in any batch."""
     if not cpu_kernels.q8_activations():
-        pytest.skip("this CPU has no AVX512-VNNI with AVX512-BF16 (or the kernels are not built)")
+        pytest.skip("this build has no int8-activation kernel (AVX2 or AVX512-VNNI)")
     gen = torch.Generator().manual_seed(0)
     for n, k in [(48, 32), (208, 576), (1024, 96)]:
         w = torch.randn(n, k, generator=gen) * 0.05
         bf16, ours = Int8Linear(w, None, own=True), Int8Linear(w, None, own=True, q8=True)
-        assert ours.q8 and ours.qweight.dtype == torch.uint8 and not bf16.q8
-        q = (ours.qweight.view(n // 16, k // 4, 16, 4).permute(0, 2, 1, 3).reshape(n, k)).long()
-        wq = (q - 128).double() * ours.scales.double()[:, None]  # the weights it computes with
+        assert ours.q8 and not bf16.q8
+        wq = int8_values(ours).double() * ours.scales.double()[:, None]  # what it computes with
         for rows in (1, 3, 8, 9, 33, 70):
             x = torch.randn(rows, k, generator=gen)
             q, d = q8_inputs(x)
@@ -151,8 +176,7 @@ def test_int8_activation_output_projection() -> None:
             assert float((got - near).norm()) <= 0.02 * float(near.norm())
     int8_dot_refuses_other_widths_and_scales(ours, k)
     with pytest.raises(RuntimeError, match="packed"):
-        packed = ours.qweight.view(n // 16, k // 2, 32)
-        torch.ops.crowdchat.int8_dot(torch.randn(2, k), packed, ours.scales)
+        torch.ops.crowdchat.int8_dot(torch.randn(2, k), ours.qweight.view(n, k), ours.scales)
 
 
 def test_crowdchat_int4_kernel_rejects_what_it_cannot_compute() -> None:
@@ -172,6 +196,7 @@ def test_crowdchat_int4_kernel_rejects_what_it_cannot_compute() -> None:
     dot = Int4Linear(torch.randn(32, 64), None, own=True)
     if not cpu_kernels.q4_dot_layout():
         assert dot.packed.shape == (32, 2, 16)
+        avx2_int8_activation_kernels_refuse_what_they_cannot_compute()
         return
     assert dot.packed.shape == (2, 2, 256) and dot.scales_zeros.shape == (2, 2, 32)
     with pytest.raises(RuntimeError, match="columns"):
@@ -191,3 +216,31 @@ def test_crowdchat_int4_kernel_rejects_what_it_cannot_compute() -> None:
     with pytest.raises(RuntimeError, match="contiguous"):
         q4(torch.randn(2, 64), dot.packed.transpose(0, 1), dot.scales_zeros)
     assert q4(torch.randn(0, 64), dot.packed, dot.scales_zeros).shape == (0, 32)
+
+
+def avx2_int8_activation_kernels_refuse_what_they_cannot_compute() -> None:
+    """csrc/q8_avx2.cpp's layouts (columns in blocks of 8) where this build has them: a width
+    of x unlike the weights', scales of another shape or dtype, rows of 0; weights whose
+    columns are not a multiple of 8 stay on the bfloat16-activation kernel."""
+    if not cpu_kernels.q8_activations():
+        return
+    q4, int8 = torch.ops.crowdchat.q4_linear, torch.ops.crowdchat.int8_dot
+    lin = Int4Linear(torch.randn(40, 64), None, own=True, q8=True)
+    assert lin.q8 and lin.packed.shape == (5, 2, 128) and lin.scales_zeros.shape == (5, 2, 16)
+    assert not Int4Linear(torch.randn(36, 64), None, own=True, q8=True).q8
+    with pytest.raises(RuntimeError, match="columns"):
+        q4(torch.randn(2, 32), lin.packed, lin.scales_zeros)
+    with pytest.raises(RuntimeError, match="scales_zeros"):
+        q4(torch.randn(2, 64), lin.packed, lin.scales_zeros[:4])
+    with pytest.raises(RuntimeError, match="scales_zeros"):
+        q4(torch.randn(2, 64), lin.packed, lin.scales_zeros.float())
+    with pytest.raises(RuntimeError, match="packed"):
+        q4(torch.randn(2, 64), lin.packed.transpose(0, 1), lin.scales_zeros)
+    assert q4(torch.randn(0, 64), lin.packed, lin.scales_zeros).shape == (0, 40)
+    head = Int8Linear(torch.randn(40, 64), None, own=True, q8=True)
+    assert head.q8 and head.qweight.shape == (5, 16, 32)
+    assert not Int8Linear(torch.randn(36, 64), None, own=True, q8=True).own
+    int8_dot_refuses_other_widths_and_scales(head, 64)
+    with pytest.raises(RuntimeError, match="float32"):
+        int8(torch.randn(2, 64).bfloat16(), head.qweight, head.scales)
+    assert int8(torch.randn(0, 64), head.qweight, head.scales).shape == (0, 40)

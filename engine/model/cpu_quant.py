@@ -173,9 +173,14 @@ class Int4Linear(QuantLinear):
             packed, sz = pack_for_dot(q, sz, self.q8)
             self.register_buffer("packed", packed, persistent=False)
             self.register_buffer("scales_zeros", sz, persistent=False)
+        elif own and q8 and n % 8 == 0 and cpu_kernels.q8_activations():
+            self.q8 = True  # the AVX2 int8-activation kernel (csrc/q8_avx2.cpp)
+            packed, sz = pack_for_avx2(q, sz)
+            self.register_buffer("packed", packed, persistent=False)
+            self.register_buffer("scales_zeros", sz, persistent=False)
         elif own:  # csrc/q4_linear.cpp's layout: q[j] and q[j + 16] share byte j of a group
-            q8 = q.to(torch.uint8).view(n, -1, g)
-            packed = q8[..., : g // 2] | (q8[..., g // 2 :] << 4)
+            nibbles = q.to(torch.uint8).view(n, -1, g)
+            packed = nibbles[..., : g // 2] | (nibbles[..., g // 2 :] << 4)
             self.register_buffer("packed", packed.contiguous(), persistent=False)
             # [N, K/32, 2]: a row's groups next to its nibbles
             self.register_buffer("scales_zeros", sz.transpose(0, 1).contiguous(), persistent=False)
@@ -213,6 +218,19 @@ def pack_for_dot(
     return packed.contiguous(), s.reshape(n // 16, k // GROUP_SIZE, 32).contiguous()
 
 
+def pack_for_avx2(q: torch.Tensor, sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """csrc/q8_avx2.cpp's layout of `q` (int [N, K], 0..15) and `sz` (bfloat16 [K/32, N, 2]):
+    columns in blocks of 8; per 4 values of K (K = 4t + j) 16 bytes, byte 4c + j holding
+    column c's q (low nibble) and column c + 4's (high nibble): uint8 [N/8, K/32, 128]; per
+    group the block's 8 bfloat16 scales, then its 8 zeros: [N/8, K/32, 16]."""
+    n, k = q.shape
+    quads = q.to(torch.uint8).view(n // 8, 2, 4, k // 4, 4)  # block, half, column, t, j
+    byte = quads[:, 0] | (quads[:, 1] << 4)  # block, column, t, j
+    packed = byte.permute(0, 2, 1, 3).reshape(n // 8, k // GROUP_SIZE, 128)
+    s = sz.view(k // GROUP_SIZE, n // 8, 8, 2).permute(1, 0, 3, 2)  # block, g, kind, c
+    return packed.contiguous(), s.reshape(n // 8, k // GROUP_SIZE, 16).contiguous()
+
+
 class Int8Linear(QuantLinear):
     """y = x W^T with W in int8, one symmetric scale per output channel (with `own` and `q8`,
     x in int8 per group of 32 too, as for Int4Linear)."""
@@ -226,10 +244,17 @@ class Int8Linear(QuantLinear):
         q = torch.clamp(torch.round(w / scale[:, None]), -127, 127).to(torch.int8)
         copy = dense.copy(q.float() * scale[:, None]) if dense is not None else None
         super().__init__(n, k, copy, dense.rows if dense else 0)
-        # `own` (float32 compute): csrc/q4_linear.cpp's AVX512-BF16 int8 kernel where built
-        self.own = own and n % 16 == 0 and k % GROUP_SIZE == 0 and cpu_kernels.q4_dot_layout()
-        self.q8 = self.own and q8 and cpu_kernels.q8_activations()
-        if self.q8:  # int8 x too: uint8 q + 128 [N/16, K/4, 64], byte 4c + j: K = 4t + j
+        # `own` (float32 compute): csrc/q4_linear.cpp's AVX512-BF16 int8 kernel where built,
+        # else with `q8` csrc/q8_avx2.cpp's
+        dot = cpu_kernels.q4_dot_layout()
+        self.q8 = own and q8 and n % 8 == 0 and k % GROUP_SIZE == 0 and cpu_kernels.q8_activations()
+        self.own = self.q8 and not dot or own and n % 16 == 0 and k % GROUP_SIZE == 0 and dot
+        self.q8 = self.q8 and self.own
+        if self.q8 and not dot:  # csrc/q8_avx2.cpp: [N/8, K/4, 32], bytes 4c + j: K = 4t + j
+            qweight = q.view(n // 8, 8, k // 4, 4).permute(0, 2, 1, 3).reshape(n // 8, k // 4, 32)
+            self.register_buffer("qweight", qweight.contiguous(), persistent=False)
+            self.register_buffer("scales", scale.contiguous(), persistent=False)
+        elif self.q8:  # int8 x too: uint8 q + 128 [N/16, K/4, 64], byte 4c + j: K = 4t + j
             packed = (q.to(torch.int16) + 128).to(torch.uint8).view(n // 16, 16, k // 4, 4)
             qweight = packed.permute(0, 2, 1, 3).reshape(n // 16, k // 4, 64).contiguous()
             self.register_buffer("qweight", qweight, persistent=False)

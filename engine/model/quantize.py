@@ -44,14 +44,17 @@ def quantize_model(
     dense = cpu_quant.dense_kind(model.dtype, dense_rows)
     # crowdchat's 4-bit kernel where compute is float32 (PyTorch's is fast on native bf16)
     own = quant == "nf4" and model.dtype == torch.float32 and cpu_kernels.q4_linear() is not None
-    # on the AVX512-BF16 kernel no dense copy beside the 4-bit weights: it is faster at every
-    # row count measured (csrc/q4_linear.cpp), unless the operator asks for one
     dot_layout = own and cpu_kernels.q4_dot_layout()
-    dot = dot_layout and dense_rows is None
-    # int8 activations on that kernel where it has them (AVX512-VNNI), unless asked not to
-    q8 = dot_layout and activations != "bfloat16" and cpu_kernels.q8_activations()
+    # int8 activations where crowdchat's kernel has them (AVX512-VNNI with AVX512-BF16, or
+    # AVX2: csrc/q8_avx2.cpp), unless asked not to
+    q8 = own and activations != "bfloat16" and cpu_kernels.q8_activations()
     if activations == "int8" and not q8:
-        log.warning("--cpu-activations int8 needs crowdchat's AVX512-VNNI kernel: bfloat16")
+        log.warning("--cpu-activations int8 needs crowdchat's AVX2 or AVX512-VNNI kernel: bfloat16")
+    # on the AVX512-BF16 kernel and on the int8-activation ones no dense copy beside the 4-bit
+    # weights, and the output projection in int8 on the same kind of kernel: faster at every
+    # row count measured (csrc/q4_linear.cpp, csrc/q8_avx2.cpp), unless the operator asks for
+    # a copy (`--cpu-dense-above`)
+    dot = (dot_layout or q8) and dense_rows is None
 
     total = sum(m.weight.numel() for m in model.modules() if type(m) is nn.Linear) or 1
     done = 0
@@ -82,9 +85,10 @@ def quantize_model(
                 continue
             if child is model.get_output_embeddings():
                 tick(child.weight.numel())
-                if dot:  # int8 on the AVX512-BF16 kernel: half the bytes of float16
+                if dot:  # int8 on crowdchat's kernel: half the bytes of float16
                     setattr(parent, name, Int8Linear(child.weight, None, own=True, q8=q8))
-                    head = f"int8, crowdchat's AVX512 kernel, {'int8' if q8 else 'bf16'} x"
+                    isa = "AVX512" if dot_layout else "AVX2"
+                    head = f"int8, crowdchat's {isa} kernel, {'int8' if q8 else 'bf16'} x"
                 elif dense is not None and dense.fp16:
                     setattr(parent, name, Fp16Linear(child.weight))
                     head = "fp16"
@@ -102,6 +106,8 @@ def quantize_model(
         (
             f" (crowdchat's AVX512-BF16 kernel, {'int8' if q8 else 'bfloat16'} activations)"
             if dot_layout
+            else " (crowdchat's AVX2 kernel, int8 activations)"
+            if q8
             else " (crowdchat's kernel)"
         )
         if own

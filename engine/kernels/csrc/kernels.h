@@ -59,6 +59,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
                      const at::Tensor& scales_zeros);
 
+// csrc/q8_avx2.cpp (AVX2 and FMA builds): x rounded to int8 per group of 32 times the 4-bit
+// weights' transpose (packed uint8 [N/8, K/32, 128], bfloat16 scales and zeros [N/8, K/32,
+// 16]) or the int8 weights' (packed int8 [N/8, K/4, 32], float32 scales [N]); `q8_avx2`:
+// whether this build has them (elsewhere they refuse)
+at::Tensor q4_linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz);
+at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
+bool q8_avx2();
+
 // csrc/rms_norm.cpp: float32 RMSNorm of the last dimension, as transformers' Llama computes it
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 

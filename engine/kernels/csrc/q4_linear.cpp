@@ -480,11 +480,14 @@ at::Tensor int8_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::
 
 namespace crowdchat {
 
+// whether the 4-bit kernel of this build's layout has an int8-activation variant
 bool q8_activations() {
-#ifdef CROWDCHAT_Q8_ACT
+#if defined(CROWDCHAT_Q8_ACT)
   return true;
-#else
+#elif defined(CROWDCHAT_Q4_DOT)
   return false;
+#else
+  return q8_avx2();
 #endif
 }
 
@@ -500,7 +503,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
                      const at::Tensor& scales_zeros) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: float32 [M, K]");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "packed: contiguous uint8 [N, K/32, 16] (or [N/16, K/32, 256])");
+              "packed: contiguous uint8 [N, K/32, 16] (or [N/16, K/32, 256], [N/8, K/32, 128])");
 #ifdef CROWDCHAT_Q4_DOT
   if (packed.size(2) == 256) {
     TORCH_CHECK(scales_zeros.is_contiguous(), "weights must be contiguous");
@@ -511,6 +514,8 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
     return q4_dot(x, packed, scales_zeros);
   }
 #endif
+  // the AVX2 int8-activation kernel's layout (csrc/q8_avx2.cpp)
+  if (packed.size(2) == 128) return crowdchat::q4_linear_q8(x, packed, scales_zeros);
   TORCH_CHECK(packed.size(2) == 16, "packed: uint8 [N, K/32, 16]");
   const int64_t m = x.size(0), k = x.size(1), n = packed.size(0), groups = packed.size(1);
   TORCH_CHECK(k == groups * kGroup, "x has ", k, " columns, the weights ", groups * kGroup);
@@ -567,5 +572,7 @@ TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
   m.impl("q4_linear", &crowdchat::q4_linear);
 #ifdef CROWDCHAT_Q4_DOT
   m.impl("int8_dot", &int8_dot);
+#else  // int8 weights with int8 x only (csrc/q8_avx2.cpp)
+  m.impl("int8_dot", &crowdchat::int8_linear_q8);
 #endif
 }
