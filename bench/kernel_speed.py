@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -106,8 +107,11 @@ def load(mode: dict, data_dir: Path) -> Engine:
     return engine
 
 
-def decode_step_s(engine: Engine, rows: int, ctx: int, repeats: int) -> float:
-    """Median seconds of one decode step of `rows` sequences with `ctx` tokens of context."""
+def decode_step_s(
+    engine: Engine, rows: int, ctx: int, repeats: int, around: AbstractContextManager | None = None
+) -> float:
+    """Median seconds of one decode step of `rows` sequences with `ctx` tokens of context;
+    `around` (a profiler) wraps the timed steps only, not their prefills."""
     gen = torch.Generator().manual_seed(rows)
     seqs = []
     for _ in range(rows):
@@ -120,10 +124,11 @@ def decode_step_s(engine: Engine, rows: int, ctx: int, repeats: int) -> float:
         seqs.append(s)
     times = []
     try:
-        for _ in range(repeats):
-            t = time.perf_counter()
-            engine.runner.forward(StepPlan(decodes=seqs))
-            times.append(time.perf_counter() - t)
+        with around or nullcontext():
+            for _ in range(repeats):
+                t = time.perf_counter()
+                engine.runner.forward(StepPlan(decodes=seqs))
+                times.append(time.perf_counter() - t)
     finally:
         for s in seqs:
             engine.pool.free(s.block_table)

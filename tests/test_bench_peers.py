@@ -9,7 +9,8 @@ from pathlib import Path
 import psutil
 
 from bench import peers
-from bench.peers import machine, run_server, sdist_url, summarize
+from bench.machine import machine
+from bench.peers import run_server, sdist_url, summarize
 from bench.stream_client import ReplyCount
 
 
