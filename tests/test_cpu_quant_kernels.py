@@ -136,9 +136,10 @@ def int8_values(lin: Int8Linear) -> torch.Tensor:
 @pytest.mark.parametrize("seed", range(4))
 def test_int8_activation_kernel_computes_llama_cpps_model(seed: int) -> None:
     """`--cpu-activations int8` (csrc/q4_linear.cpp `q4_dot_q8` on AVX512-VNNI, csrc/q8_avx2.cpp
-    on AVX2): x rounded to int8 per group of 32 as llama.cpp rounds it, the integer sums exact; the output within float32 summation
-    order of that model, then one bf16 ulp; within ~1% of the bfloat16-activation kernel;
-    each row's output bitwise the same alone or in any batch; an all-zero group stays 0."""
+    on AVX2): x rounded to int8 per group of 32 as llama.cpp rounds it, the integer sums exact;
+    the output within float32 summation order of that model, then one bf16 ulp; within ~1% of
+    the bfloat16-activation kernel; each row's output bitwise the same alone or in any batch;
+    an all-zero group stays 0."""
     if not cpu_kernels.q8_activations():
         pytest.skip("this build has no int8-activation kernel (AVX2 or AVX512-VNNI)")
     gen = torch.Generator().manual_seed(seed)
