@@ -91,14 +91,15 @@ class EngineConfig(Settings):
     cpu_dense_above: int | None = setting(
         None,
         "CPU with --quant: steps of more rows than this use a dense copy of the same "
-        "quantized weights (faster for big batches, more RAM; off: 4 where it is float16 on "
-        "FBGEMM, with float32 compute, else 16); 0: packed weights only",
+        "quantized weights (faster for big batches, more RAM; off: none on crowdchat's "
+        "AVX512-BF16 and int8-activation kernels, else 4 where it is float16 on FBGEMM, with "
+        "float32 compute, or 16); 0: packed weights only",
     )
     cpu_activations: str = setting(
         "auto",
-        "CPU with --quant nf4 on crowdchat's AVX512 kernel: the 4-bit matmuls' inputs rounded "
-        "to int8 per group of 32, as llama.cpp does (auto: where the CPU has AVX512-VNNI; "
-        "~1.9x faster at 8-32 rows) or to bfloat16 (PyTorch's int4 kernel's values)",
+        "CPU with --quant nf4 on crowdchat's kernels: the 4-bit matmuls' inputs rounded to "
+        "int8 per group of 32, as llama.cpp does (auto: on AVX2 and AVX512-VNNI CPUs; 1.7-2.5x "
+        "faster, no dense copy) or to bfloat16 (PyTorch's int4 kernel's values)",
         choices=ACTIVATION_CHOICES,
     )
 

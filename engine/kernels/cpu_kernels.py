@@ -19,6 +19,11 @@
   on CPUs without native bfloat16; this one widens each group's weights once for up to 4 rows.
   On CPUs with AVX512-BF16 it is a `vdpbf16ps` kernel with its own layout, faster than a dense
   float16 copy on FBGEMM at every row count measured (1 to 512), so no dense copy is kept.
+  With int8 activations (`--cpu-activations auto`) x is rounded to int8 per group of 32, as
+  llama.cpp rounds it, and the sums run in integers: `vpdpbusd` on AVX512-VNNI, and on AVX2
+  `vpmaddubsw` + `vpmaddwd` over a layout of its own (`csrc/q8_avx2.cpp`, also the output
+  projection's int8 weights), 2x faster than the float32 kernel at one row and 1.6x faster than
+  FBGEMM's float16 copy at 32 (bench/step_profile.py), so no dense copy is kept there either.
 - `rope_store` (`csrc/rope_store.cpp`) and `rms_norm` (`csrc/rms_norm.cpp`): the glue of a
   decode step (engine.model.lean_llama `_decodes`, engine.model.lean_norm), one call each where
   Python made
@@ -158,8 +163,9 @@ def q4_dot_layout() -> bool:
 
 
 def q8_activations() -> bool:
-    """Whether the AVX512-BF16 4-bit kernel was also built with its int8-activation variant
-    (AVX512-VNNI; `--cpu-activations`)."""
+    """Whether the 4-bit kernel of this build's layout has an int8-activation variant
+    (`--cpu-activations`): AVX512-VNNI beside AVX512-BF16, or AVX2 and FMA without
+    AVX512-BF16."""
     return load() and bool(torch.ops.crowdchat.q8_activations())
 
 

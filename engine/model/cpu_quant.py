@@ -17,7 +17,11 @@ group) the 4-bit weights run on crowdchat's own kernel instead (`csrc/q4_linear.
 engine.kernels.cpu_kernels), which rounds the same way and computes the same values to one bf16 ulp.
 On CPUs with AVX512-BF16 that kernel multiplies bfloat16 pairs (`vdpbf16ps`, twice the rate of
 float32 FMAs) from its own layout (`pack_for_dot`) and outruns every dense copy below, so none
-is kept there unless `--cpu-dense-above` asks for one.
+is kept there unless `--cpu-dense-above` asks for one. With int8 activations
+(`--cpu-activations auto`, on AVX512-VNNI and on AVX2) x is rounded to int8 per group of 32 as
+llama.cpp rounds it and each group's sums are integers; on AVX2 in a layout of its own
+(`pack_for_avx2`, csrc/q8_avx2.cpp), which also outruns the dense copies at every row count,
+so there too none is kept and the output projection runs in int8.
 
 Where a step's rows are many (a prefill chunk, a crowd of decodes) a dense matmul of the
 *dequantized* weights is faster; a dense copy of the same quantized values is kept for that
@@ -141,8 +145,9 @@ class Int4Linear(QuantLinear):
     PyTorch's int4 kernel, or with `own` (float32 compute) on crowdchat's
     (engine.kernels.cpu_kernels),
     1.2-1.9x faster a call on the 2-core AVX2 EPYC (docs/PERFORMANCE.md). With
-    `q8` too, where the AVX512 kernel has AVX512-VNNI, x is rounded to int8 per group of 32
-    (llama.cpp's Q8 activations) instead of bfloat16: ~1.9x faster at 8-32 rows."""
+    `q8` too, where the kernels have it (AVX512-VNNI, or AVX2 with columns a multiple of 8),
+    x is rounded to int8 per group of 32 (llama.cpp's Q8 activations) instead of bfloat16:
+    ~1.9x faster at 8-32 rows on AVX512, 2x at 1 row and 2.4x at 32 on AVX2."""
 
     def __init__(
         self, weight: torch.Tensor, dense: DenseKind | None, own: bool = False, q8: bool = False
