@@ -139,7 +139,8 @@ class Sequence:
     last_token_at: float | None = None
     cancelled: bool = False
     num_preemptions: int = 0
-    rng: object = None  # torch.Generator for sampled requests, made by the runner
+    seed: int | None = None  # the sampler's seed (int64), set at its first draw
+    draws: int = 0  # random numbers drawn so far (engine/model/sampler.py's counter)
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, see block_hash
     num_registered: int = 0  # leading blocks already offered to the prefix cache
     num_hit_tokens: int = 0  # prompt tokens found in the prefix cache when admitted

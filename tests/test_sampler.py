@@ -1,19 +1,33 @@
-"""The sampler draws from exactly the distribution that temperature, top-k and top-p define."""
+"""The sampler draws from exactly the distribution that temperature, top-k and top-p define;
+a seeded request draws the same tokens alone or in any batch."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-from engine.model.sampler import CANDIDATES, penalize, sample, sample_row
+from engine.model.sampler import CANDIDATES, penalize, sample, uniforms
 from engine.sequence import SamplingParams, Sequence
 
 
-def draws(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
-    seq = Sequence([1], params)
+def sample_row(row: torch.Tensor, seq: Sequence) -> int:
+    """One row sampled alone."""
+    return sample(row[None], [seq], stop_ids=[])[0]
+
+
+def draws(logits: torch.Tensor, params: SamplingParams, n: int, rows: int = 50) -> torch.Tensor:
+    """The share of `n` draws that picked each token, `rows` sequences at a time."""
+    seqs = [
+        Sequence([1], SamplingParams(**{**vars(params), "seed": params.seed + i}))
+        for i in range(rows)
+    ]
     counts = torch.zeros(logits.numel())
-    for _ in range(n):
-        counts[sample_row(logits, seq)] += 1
-    return counts / n
+    batch = logits.expand(rows, -1)
+    for _ in range(n // rows):
+        for t in sample(batch, seqs, stop_ids=[]):
+            counts[t] += 1
+    return counts / (n // rows * rows)
 
 
 def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -107,9 +121,9 @@ def test_penalties_match_vllms_formula_and_leave_other_rows_alone() -> None:
             for i, s in enumerate(seqs)
         ]
         assert sample(logits, seqs, stop_ids=[]) == want, trial
-        for i in (1, 3):
-            got = penalize(logits[i], seqs[i])
-            assert torch.allclose(got, penalized_reference(logits[i], seqs[i])), trial
+        got = penalize(logits[1::2], seqs[1::2])
+        for j, i in enumerate((1, 3)):
+            assert torch.allclose(got[j], penalized_reference(logits[i], seqs[i])), trial
 
 
 def test_a_frequency_penalty_moves_the_pick_off_a_repeated_token() -> None:
@@ -122,20 +136,61 @@ def test_a_frequency_penalty_moves_the_pick_off_a_repeated_token() -> None:
     assert sample(logits[None], [seq], stop_ids=[]) == [6]  # 3.0 / 1.5 < 2.5
 
 
-def test_batched_temperature_rows_pick_what_each_row_alone_picks() -> None:
-    """`sample_plain` (all temperature-only rows at once) against `sample_row` per row, each
-    with the same seed: seeded random logits, temperatures, vocabulary sizes and row counts
-    (a seeded request gives the same reply whoever else is in its batch)."""
+def test_uniforms_are_splitmix64_bit_for_bit() -> None:
+    """The counter-based generator in int64 tensor arithmetic (wrapping, logical shifts) against
+    splitmix64 in Python integers, for seeds and counters of every size and sign."""
+    mask = (1 << 64) - 1
+
+    def splitmix64(seed: int, counter: int) -> float:
+        z = (seed + (counter + 1) * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return ((z ^ (z >> 31)) >> 11) * 2.0**-53
+
+    rng = random.Random(0)
+    seeds = [0, 1, (1 << 63) - 1, -(1 << 63), -1] + [
+        rng.getrandbits(64) - (1 << 63) for _ in range(200)
+    ]
+    counters = [0, 1, 7, 1 << 40] + [rng.getrandbits(31) for _ in range(201)]
+    got = uniforms(torch.tensor(seeds), torch.tensor(counters)).tolist()
+    assert got == [splitmix64(s & mask, c) for s, c in zip(seeds, counters, strict=True)]
+    assert all(0 <= x < 1 for x in got) and len(set(got)) == len(got)
+
+
+def test_a_seeded_request_draws_the_same_tokens_alone_or_in_any_batch() -> None:
+    """Seeded random rows of every kind (greedy, temperature only, top-k, top-p, both,
+    penalties, min-tokens) sampled together for several steps and each alone: the same
+    tokens; rows, vocabulary sizes and parameters seeded at random."""
     gen = torch.Generator().manual_seed(0)
-    for case in range(30):
-        n = int(torch.randint(1, 40, (1,), generator=gen))
-        v = int(torch.randint(2, 60_000, (1,), generator=gen))
-        logits = torch.randn(n, v, generator=gen) * float(torch.rand(1, generator=gen) * 20)
-        temps = (torch.rand(n, generator=gen) * 2 + 1e-3).tolist()
-        params = [SamplingParams(temperature=t, seed=case * 100 + i) for i, t in enumerate(temps)]
-        batched = [Sequence([1], p) for p in params]
-        alone = [Sequence([1], p) for p in params]
-        for _ in range(3):  # each row's generator advances the same way too
-            got = sample(logits, batched, [])
-            want = [sample_row(logits[i], alone[i]) for i in range(n)]
+    rng = random.Random(0)
+    for case in range(25):
+        n, v = rng.randint(1, 24), rng.choice([2, 37, 1500, CANDIDATES + 5, 50_000])
+        logits = torch.randn(n, v, generator=gen) * rng.uniform(0.1, 20)
+        params = [
+            SamplingParams(
+                temperature=rng.choice([0, 0.3, 1.0, 1.7]),
+                top_k=rng.choice([0, 0, 1, 5, 40]),
+                top_p=rng.choice([1.0, 1.0, 0.5, 0.95]),
+                repetition_penalty=rng.choice([1.0, 1.0, 1.3]),
+                frequency_penalty=rng.choice([0.0, 0.0, 0.5]),
+                min_new_tokens=rng.choice([0, 0, 2]),
+                max_new_tokens=8,
+                seed=case * 100 + i,
+            )
+            for i in range(n)
+        ]
+        prompts = [[rng.randrange(v) for _ in range(rng.randint(1, 6))] for _ in range(n)]
+        batched = [Sequence(list(p), sp) for p, sp in zip(prompts, params, strict=True)]
+        alone = [Sequence(list(p), sp) for p, sp in zip(prompts, params, strict=True)]
+        for _ in range(3):
+            got = sample(logits, batched, stop_ids=[0])
+            want = [sample(logits[i : i + 1], [alone[i]], stop_ids=[0])[0] for i in range(n)]
             assert got == want, (case, n, v)
+            for seq, t in zip(batched + alone, got + want, strict=True):
+                seq.token_ids.append(t)
+
+
+def test_unseeded_requests_draw_differently() -> None:
+    logits = torch.zeros(1, 1000)
+    picks = {sample(logits, [Sequence([1], SamplingParams())], stop_ids=[])[0] for _ in range(20)}
+    assert len(picks) > 10

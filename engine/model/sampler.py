@@ -1,134 +1,198 @@
 """Turns each sequence's last logits into its next token: greedy, or temperature/top-k/top-p,
-after the repetition / frequency / presence penalties of the rows that ask for them.
+after min-tokens and the repetition / frequency / presence penalties of the rows that ask.
 
-Sampling is exact (the same distribution as sorting the whole vocabulary) but cheap on CPU:
-one uniform number per row and an inverse-CDF lookup instead of `torch.multinomial`
-(~0.75 ms per 49k-token row here), and top-p found among the top 1024 candidates instead of
-a full sort (~2.7 ms per row), falling back to the sort only when those hold less than top-p.
+Every step samples all its rows at once, on the logits' device: per-row parameters travel
+to the device in one non-blocking copy from pinned memory, and the one read back is the
+picked token ids (`sample`), so on CUDA nothing in between waits for the host.
+
+Sampling is exact (the same distribution as sorting the whole vocabulary): one uniform number
+per row and an inverse-CDF lookup, not `torch.multinomial`. On the CPU top-k and top-p look
+among the top 1024 candidates first instead of sorting 49k logits (~2.7 ms a row), falling
+back to the sort for a row whose candidates hold less than its top-p; on CUDA every such row
+is sorted (fast there, and no check that would wait for the device).
+
+Random numbers are counter-based: a row's uniform is splitmix64 of its request's seed and the
+number of draws it has made, computed on the device. A seeded request therefore draws the same
+tokens alone or in any batch, on any device; an unseeded one gets a random seed once.
 """
 
 from __future__ import annotations
+
+import random
 
 import torch
 
 from engine.sequence import Sequence
 
 GREEDY_BELOW = 1e-5  # tiny temperatures would overflow the logits: they mean greedy
-CANDIDATES = 1024  # where the top-p nucleus is looked for first
+CANDIDATES = 1024  # where the top-p nucleus is looked for first, on the CPU
 
 
-def _rng(seq: Sequence) -> torch.Generator:
-    if seq.rng is None:
-        g = torch.Generator(device="cpu")
-        if seq.params.seed is not None:
-            g.manual_seed(seq.params.seed & 0xFFFF_FFFF_FFFF_FFFF)  # any int is a valid seed
-        else:
-            g.seed()
-        seq.rng = g
-    return seq.rng
+def _int64(x: int) -> int:
+    """A 64-bit pattern as the signed int64 torch holds it."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >> 63 else x
 
 
-def _pick(weights: torch.Tensor, g: torch.Generator) -> int:
-    """Index drawn with probability proportional to `weights` (1-D, non-negative)."""
-    cdf = weights.cumsum(-1)
-    u = torch.rand(1, generator=g, dtype=cdf.dtype) * cdf[-1]
-    return min(int(torch.searchsorted(cdf, u, right=True)), weights.numel() - 1)
+GOLDEN, MIX1, MIX2 = (
+    _int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+)
 
 
-def sample_row(row: torch.Tensor, seq: Sequence) -> int:
-    """One token from a row of logits (`[V]`, float32 on CPU) under the sequence's params."""
-    p = seq.params
-    row = row / p.temperature
-    g = _rng(seq)
-    if not p.top_k and p.top_p >= 1:
-        return _pick((row - row.max()).exp(), g)
-    k = min(p.top_k or CANDIDATES, row.numel())
-    vals, idx = torch.topk(row, k)  # descending
-    if p.top_k:  # top-k first, then top-p within it (the usual order)
-        probs = (vals - vals[0]).exp()
-        probs /= probs.sum()
-    else:
-        probs = (vals - torch.logsumexp(row, -1)).exp()  # true probabilities of the candidates
-        if float(probs.sum()) < p.top_p and k < row.numel():
-            vals, idx = torch.sort(row, descending=True)  # a flat distribution: sort it all
-            probs = (vals - torch.logsumexp(row, -1)).exp()
-    if p.top_p < 1:
-        keep = int(((probs.cumsum(-1) - probs) < p.top_p).sum())  # at least one
-        probs = probs[: max(keep, 1)]
-    return int(idx[_pick(probs, g)])
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 values (torch's `>>` is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
 
 
-def penalize(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """`row` (`[V]` logits) with the sequence's penalties applied, as vLLM applies them:
-    repetition over the prompt and the output, then frequency and presence over the output."""
-    p = seq.params
-    row = row.clone()
-    if p.repetition_penalty != 1:
-        seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device)
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    out = seq.generated_ids
-    if out and (p.frequency_penalty or p.presence_penalty):
-        ids, counts = torch.tensor(out, device=row.device).unique(return_counts=True)
-        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
-    return row
+def uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per (seed, counter), int64 tensors: the `counter`-th output of
+    splitmix64 seeded with `seed` (int64 arithmetic wraps), its top 53 bits, float64."""
+    z = seeds + (counters + 1) * GOLDEN
+    z = (z ^ _shr(z, 30)) * MIX1
+    z = (z ^ _shr(z, 27)) * MIX2
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).double() * 2.0**-53
+
+
+def _seed(seq: Sequence) -> int:
+    if seq.seed is None:
+        p = seq.params.seed
+        seq.seed = _int64(p if p is not None else random.getrandbits(64))
+    return seq.seed
+
+
+def _to(device: torch.device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """`values` on `device`: on CUDA through pinned memory, without waiting."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+def _padded(device: torch.device, lists: list[list[int]], pad: int) -> torch.Tensor:
+    """Token id lists as one int64 [len(lists), longest] tensor on `device`, `pad` after each."""
+    width = max(map(len, lists), default=0) or 1
+    return _to(device, [ids + [pad] * (width - len(ids)) for ids in lists], torch.int64)
+
+
+def penalize(rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """`rows` ([N, V] logits, one per sequence) with the sequences' penalties, as vLLM applies
+    them: repetition over the prompt and the output, then frequency and presence over the
+    output. Out of place (the logits may be inference tensors); each penalty touches only the
+    tokens it concerns (a gather and a scatter), not the whole vocabulary."""
+    n, v = rows.shape
+    dev = rows.device
+    rep, freq, pres = (
+        _to(dev, [getattr(s.params, k) for s in seqs], rows.dtype)[:, None]
+        for k in ("repetition_penalty", "frequency_penalty", "presence_penalty")
+    )
+    # column v takes the padding of the id lists and is dropped at the end; a token listed
+    # twice is written twice with the same value
+    work = torch.cat([rows, rows.new_zeros(n, 1)], 1)
+    seen = _padded(dev, [s.token_ids for s in seqs], v)
+    vals = work.gather(1, seen)
+    work.scatter_(1, seen, torch.where(vals > 0, vals / rep, vals * rep))  # x / 1 == x * 1 == x
+    out = _padded(dev, [s.generated_ids for s in seqs], v)
+    counts = torch.zeros(n, v + 1, dtype=rows.dtype, device=dev)
+    counts.scatter_add_(1, out, torch.ones_like(out, dtype=rows.dtype))
+    delta = freq * counts.gather(1, out) + pres
+    work.scatter_(1, out, work.gather(1, out) - delta)
+    return work[:, :v]
+
+
+def _pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of `weights` ([N, W], non-negative; turned into their running sums in place)
+    the index drawn with probability proportional to them, by the row's uniform `u` ([N])."""
+    cdf = weights.cumsum_(-1)
+    at = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, at, right=True)[:, 0].clamp(max=weights.shape[1] - 1)
+
+
+def _filtered(rows: torch.Tensor, seqs: list[Sequence], u: torch.Tensor) -> torch.Tensor:
+    """Picks for rows with top-k and/or top-p (`rows` already divided by their temperatures):
+    top-k first, then top-p within it (the usual order), among the sorted candidates."""
+    n, v = rows.shape
+    dev = rows.device
+    k = _to(dev, [s.params.top_k or v for s in seqs], torch.int64)[:, None]
+    top_p = _to(dev, [s.params.top_p for s in seqs], rows.dtype)[:, None]
+    # candidates: the largest top-k, or CANDIDATES where a row has top-p only
+    c = max(s.params.top_k or CANDIDATES for s in seqs)
+    c = v if dev.type != "cpu" or c > CANDIDATES else min(c, v)
+    vals, idx = torch.topk(rows, c) if c < v else torch.sort(rows, descending=True)
+    inside = torch.arange(c, device=dev)[None, :] < k
+    # top-k rows: probabilities within the top k; others: the true ones (over all of V)
+    norm = vals[:, :1]
+    if any(not s.params.top_k or s.params.top_k >= v for s in seqs):
+        norm = torch.where(k < v, norm, torch.logsumexp(rows, -1, keepdim=True))
+    probs = torch.where(inside, (vals - norm).exp(), torch.zeros_like(vals))
+    probs = torch.where(k < v, probs / probs.sum(-1, keepdim=True), probs)
+    if c < v:  # a flat distribution whose nucleus is not among the candidates: sort it all
+        short = ((k >= v) & (probs.sum(-1, keepdim=True) < top_p))[:, 0]
+        if bool(short.any()):
+            whole = _filtered_sorted(rows[short], k[short], top_p[short], u[short])
+            picks = _nucleus_pick(probs, idx, top_p, u)
+            return picks.index_put((short.nonzero()[:, 0],), whole)
+    return _nucleus_pick(probs, idx, top_p, u)
+
+
+def _filtered_sorted(rows: torch.Tensor, k, top_p, u: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    vals, idx = torch.sort(rows, descending=True)
+    probs = (vals - torch.logsumexp(rows, -1, keepdim=True)).exp()
+    return _nucleus_pick(probs, idx, top_p, u)
+
+
+def _nucleus_pick(probs, idx, top_p, u: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """Cut each row's sorted `probs` to its top-p nucleus (at least one), pick, map back."""
+    keep = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True).clamp(min=1)
+    cols = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    probs = torch.where(cols < keep, probs, torch.zeros_like(probs))
+    return idx.gather(1, _pick(probs, u)[:, None])[:, 0]
+
+
+def sample_tensor(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int]) -> torch.Tensor:
+    """Next token per row of `logits` ([N, V], one row per sequence) as an int64 tensor on the
+    logits' device; each sampled sequence's draw counter advances."""
+    logits = logits.float()
+    dev, n = logits.device, len(seqs)
+    early = [i for i, s in enumerate(seqs) if s.num_generated < s.params.min_new_tokens]
+    if early and stop_ids:  # out of place: the logits may be an inference-mode tensor
+        rows = _to(dev, early, torch.int64)[:, None]
+        cols = _to(dev, stop_ids, torch.int64)[None, :]
+        logits = logits.index_put((rows, cols), torch.full((), float("-inf"), device=dev))
+    penalized = [i for i, s in enumerate(seqs) if s.params.penalized]
+    if penalized:
+        which = _to(dev, penalized, torch.int64)
+        rows = penalize(logits.index_select(0, which), [seqs[i] for i in penalized])
+        logits = logits.index_put((which,), rows)
+    sampled = [i for i, s in enumerate(seqs) if s.params.temperature >= GREEDY_BELOW]
+    if not sampled:
+        return logits.argmax(-1)
+    out = torch.empty(n, dtype=torch.int64, device=dev)
+    if len(sampled) < n:  # greedy rows: their argmax
+        greedy = _to(dev, sorted(set(range(n)) - set(sampled)), torch.int64)
+        out.index_copy_(0, greedy, logits.index_select(0, greedy).argmax(-1))
+    picked = [seqs[i] for i in sampled]
+    seeds = _to(dev, [_seed(s) for s in picked], torch.int64)
+    u = uniforms(seeds, _to(dev, [s.draws for s in picked], torch.int64))
+    for s in picked:
+        s.draws += 1
+    temps = _to(dev, [s.params.temperature for s in picked], logits.dtype)[:, None]
+    at = _to(dev, sampled, torch.int64)
+    rows = logits / temps if len(sampled) == n else logits.index_select(0, at).div_(temps)
+    plain = [j for j, s in enumerate(picked) if not s.params.top_k and s.params.top_p >= 1]
+    filtered = sorted(set(range(len(picked))) - set(plain))
+    picks = torch.empty(len(picked), dtype=torch.int64, device=dev)
+    if plain:  # temperature only (the API's default): the whole vocabulary, no sort, in place
+        j = _to(dev, plain, torch.int64)
+        part = rows if len(plain) == len(picked) else rows.index_select(0, j)
+        weights = part.sub_(part.amax(-1, keepdim=True)).exp_()
+        picks.index_copy_(0, j, _pick(weights, u.index_select(0, j)))
+    if filtered:
+        j = _to(dev, filtered, torch.int64)
+        part = [picked[f] for f in filtered]
+        picks.index_copy_(0, j, _filtered(rows.index_select(0, j), part, u.index_select(0, j)))
+    return out.index_copy_(0, at, picks)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int]) -> list[int]:
-    """Next token per row of `logits` ([N, V]), one row per sequence, in order."""
-    logits = logits.float()
-    early = [
-        i for i, s in enumerate(seqs) if s.num_generated < s.params.min_new_tokens and stop_ids
-    ]
-    if early:  # out of place: the logits may be an inference-mode tensor (float32 models)
-        dev = logits.device
-        rows = torch.tensor(early, device=dev)[:, None]
-        cols = torch.tensor(stop_ids, device=dev)[None, :]
-        logits = logits.index_put((rows, cols), torch.full((), float("-inf"), device=dev))
-    penalized = [i for i, s in enumerate(seqs) if s.params.penalized]
-    if penalized:  # out of place, as above
-        rows = torch.stack([penalize(logits[i], seqs[i]) for i in penalized])
-        logits = logits.index_put((torch.tensor(penalized, device=logits.device),), rows)
-    greedy = [i for i, s in enumerate(seqs) if s.params.temperature < GREEDY_BELOW]
-    sampled = [i for i, s in enumerate(seqs) if s.params.temperature >= GREEDY_BELOW]
-    out = [0] * len(seqs)
-    if greedy:  # each a 49k-wide row: index only what is needed
-        picks = _rows(logits, greedy).argmax(dim=-1).tolist()
-        for i, pick in zip(greedy, picks, strict=True):
-            out[i] = pick
-    if not sampled:
-        return out
-    rows = _rows(logits, sampled).to("cpu")
-    plain = [j for j, i in enumerate(sampled) if _plain(seqs[i])]
-    if plain:  # temperature only (the API's default): all such rows at once
-        picks = sample_plain(_rows(rows, plain), [seqs[sampled[j]] for j in plain])
-        for j, pick in zip(plain, picks, strict=True):
-            out[sampled[j]] = pick
-    for j, i in enumerate(sampled):
-        if not _plain(seqs[i]):
-            out[i] = sample_row(rows[j], seqs[i])
-    return out
-
-
-def _rows(logits: torch.Tensor, which: list[int]) -> torch.Tensor:
-    """The rows `which` of `logits`: the tensor itself (no copy) when that is all of them."""
-    return logits if which == list(range(logits.shape[0])) else logits[which]
-
-
-def _plain(seq: Sequence) -> bool:
-    return not seq.params.top_k and seq.params.top_p >= 1
-
-
-def sample_plain(rows: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """`sample_row` for rows that ask for a temperature only (no top-k, top-p 1), computed for
-    all of them in a few tensor ops instead of ~8 per row (at 32 rows a tenth of the engine
-    thread's time): the same float operations on each element (the division by the temperature
-    rounded to float32, the maximum and the running sum along each row as for one row), each
-    row's uniform number from its own generator, so each pick equals `sample_row`'s
-    (tests/test_sampler.py)."""
-    temps = torch.tensor([s.params.temperature for s in seqs], dtype=rows.dtype)
-    cdf = rows / temps[:, None]  # one new [N, V] tensor, the rest in place on it
-    cdf.sub_(cdf.amax(-1, keepdim=True)).exp_().cumsum_(-1)
-    u = torch.cat([torch.rand(1, generator=_rng(s), dtype=cdf.dtype) for s in seqs])
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    return idx.clamp(max=rows.shape[1] - 1).tolist()
+    """Next token per row of `logits` ([N, V]), one row per sequence, in order: the step's
+    one read back from the device."""
+    return sample_tensor(logits, seqs, stop_ids).tolist()
