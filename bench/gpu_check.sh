@@ -160,9 +160,13 @@ fi
 step nvidia_smi 20 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version \
   --format=csv,noheader
 step random_model 90 "$PY" bench/random_model.py "$MODEL"
-step tests 150 "$PY" -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py
+step tests 150 "$PY" -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py \
+  tests/test_triton_attention.py
 step throughput 120 "$PY" bench/throughput.py --device cuda --model "$MODEL" --data-dir "$DATA" \
   --users 1,8,32,64 --sequential-requests 2
+# the same with the decode attention gathered for SDPA (the path before the Triton kernel)
+step throughput_gather 90 "$PY" bench/throughput.py --device cuda --model "$MODEL" \
+  --data-dir "$DATA" --users 1,32 --sequential-requests 1 --cuda-attention gather
 step admin 75 "$PY" bench/admin_snapshot.py --device cuda --model "$MODEL" --data-dir "$DATA" \
   --out "$OUT"
 step restore 100 "$PY" bench/restore.py --device cuda --model "$MODEL" --data-dir "$DATA" \

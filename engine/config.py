@@ -15,6 +15,7 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 SCHEDULE_CHOICES = ("fair", "fcfs")
 ACTIVATION_CHOICES = ("auto", "int8", "bfloat16")
+CUDA_ATTENTION_CHOICES = ("triton", "gather")
 # --upstream-stream-interval 0 (automatic): the relay costs this front end ~0.3 ms of CPU per
 # upstream event (bench/frontend.py); past RELAY_EVENTS_PER_S tokens/s (the turns in flight at
 # their recent pace), chunks grow to keep it near that many events/s, but no chunk holds more
@@ -58,6 +59,13 @@ class EngineConfig(Settings):
         choices=DTYPE_CHOICES,
     )
     device: str = setting("auto", "auto: CUDA when present", choices=DEVICE_CHOICES)
+    cuda_attention: str = setting(
+        "triton",
+        "CUDA: decode attention read from the KV pool's blocks by crowdchat's Triton kernel "
+        "(where Triton is installed, as with PyTorch's CUDA builds), or gathered into a dense "
+        "copy for SDPA (gather: the path before it)",
+        choices=CUDA_ATTENTION_CHOICES,
+    )
     data_dir: Path = setting(
         Path("data"),
         "converted models, crowdchat.db, snapshots/, the browser key",
@@ -143,6 +151,10 @@ class EngineConfig(Settings):
         need(self.dtype in DTYPE_CHOICES, f"--dtype must be one of {DTYPE_CHOICES}")
         need(self.kv_dtype in DTYPE_CHOICES, f"--kv-dtype must be one of {DTYPE_CHOICES}")
         need(self.device in DEVICE_CHOICES, f"--device must be one of {DEVICE_CHOICES}")
+        need(
+            self.cuda_attention in CUDA_ATTENTION_CHOICES,
+            f"--cuda-attention must be one of {CUDA_ATTENTION_CHOICES}",
+        )
         need(
             self.cpu_activations in ACTIVATION_CHOICES,
             f"--cpu-activations must be one of {ACTIVATION_CHOICES}",

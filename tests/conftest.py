@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
 
-from engine import Engine, EngineConfig
+# without a GPU, Triton's kernels (engine/kernels/triton_attention.py) run in its interpreter;
+# set before anything imports triton (transformers does, where it is installed), which decorates
+# its own library functions once
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from engine import Engine, EngineConfig  # noqa: E402
 from engine.chat_format import ChatFormatter
 from engine.kernels import cpu_kernels
 from engine.model.loader import LoadedModel, load_model, local_tokenizer

@@ -86,6 +86,27 @@ def test_fp32_batched_equals_solo_on_cuda(fp32_engine: Engine, fp32_cuda: Loaded
     assert all(len(t) == GREEDY.max_new_tokens for t in batched)
 
 
+def test_the_triton_attention_replies_as_the_gathered_one_on_cuda(
+    fp32_cuda: LoadedModel, tmp_path: Path
+) -> None:
+    """Decode attention read from the pool's blocks by the Triton kernel (the default where
+    Triton is installed) against the gathered dense copy + SDPA: fp32 greedy replies token for
+    token, and the KV fingerprint names the path."""
+    from dataclasses import replace
+
+    assert fp32_cuda.cuda_attention == "triton" and "attention=triton" in fp32_cuda.numerics
+    ps = encode(fp32_cuda)
+    replies = []
+    for attention in ("triton", "gather"):
+        engine = engine_on(replace(fp32_cuda, cuda_attention=attention), tmp_path)
+        try:
+            replies.append(engine.generate(ps, GREEDY))
+        finally:
+            engine.check_integrity()
+            engine.shutdown()
+    assert replies[0] == replies[1]
+
+
 def test_fp32_engine_equals_transformers_generate_on_cuda(
     fp32_engine: Engine, fp32_cuda: LoadedModel
 ) -> None:

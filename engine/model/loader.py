@@ -23,8 +23,9 @@ from transformers import (  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.errors import ModelLoadError  # noqa: E402
-from engine.kernels import cpu_kernels  # noqa: E402
+from engine.kernels import cpu_kernels, triton_attention  # noqa: E402
 from engine.model import cpu_quant, quantize  # noqa: E402
+from engine.model.attention import needs_general  # noqa: E402
 from engine.model.checkpoint import resolve_checkpoint  # noqa: E402
 from engine.model.fingerprint import (  # noqa: E402
     CACHE_FILE,
@@ -65,6 +66,9 @@ class LoadedModel:
     kernel: str = ""  # what computes the quantized linears (bitsandbytes, torch-int4g32, ...)
     config_hash: str = ""  # canonical config.json (rope_theta, rope_scaling, ...)
     numerics: str = ""  # versions of the libraries (and on CPU the kernels' ISA) computing K/V
+    # CUDA: "triton" where decode attention reads the pool in crowdchat's Triton kernel
+    # (engine.kernels.triton_attention), else "gather"; "" on the CPU
+    cuda_attention: str = ""
 
     def fingerprint(self, block_size: int) -> dict[str, str | int]:
         """What a KV snapshot must match to be reused by this model: everything that
@@ -189,6 +193,10 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
             )
     mc = model.config
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    cuda_attention = ""
+    if device.type == "cuda":
+        triton = config.cuda_attention == "triton" and triton_attention.available()
+        cuda_attention = "triton" if triton and needs_general(mc) is None else "gather"
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -207,7 +215,9 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
         config_hash=config_hash(directory / "config.json"),
         # on CPU crowdchat's kernels compute K/V too, with loops chosen by their build's ISA
         numerics=numerics_versions()
-        + (f" kernels={cpu_kernels.isa()}" if device.type == "cpu" else ""),
+        + (f" kernels={cpu_kernels.isa()}" if device.type == "cpu" else "")
+        + (f" attention={cuda_attention}" if cuda_attention else ""),
+        cuda_attention=cuda_attention,
     )
     log.info(
         "loaded %s (%s via %s, %s) on %s: %.1f MB of weights",

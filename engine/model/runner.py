@@ -85,12 +85,18 @@ class ModelRunner:
         )  # bitwise the same outputs, 1 op instead of 8 (engine.model.lean_norm)
         # Llama-shaped decoders run as one flat function, bitwise the same (engine.model.lean_llama)
         self.lean = lean_forward(self.model)
-        # decode attention straight from the pool's blocks on the CPU (engine.kernels.cpu_kernels)
+        # decode attention straight from the pool's blocks: on the CPU crowdchat's C++ kernels
+        # (engine.kernels.cpu_kernels), on CUDA its Triton ones (engine.kernels.triton_attention)
         general = attention.needs_general(self.model.config)
         cpu = self.device.type == "cpu" and general is None
         self.decode_kernel = cpu_kernels.decode_attention() if cpu else None
         # and a short prefill chunk after cached tokens (a returning user's message)
         self.prefill_kernel = cpu_kernels.prefill_attention() if self.decode_kernel else None
+        if loaded.cuda_attention == "triton":
+            from engine.kernels import triton_attention  # imports triton: on CUDA only
+
+            self.decode_kernel = triton_attention.paged_decode_attention
+            self.prefill_kernel = triton_attention.paged_prefill_attention
         arch = (getattr(self.model.config, "architectures", None) or ["?"])[0]
         if self.lean is not None:
             log.info("%s: the fast path (a flat Llama forward, crowdchat's kernels)", arch)
@@ -137,7 +143,8 @@ class ModelRunner:
                 slots.append(blocks[p // bs] * bs + p % bs)
                 logit_rows[i] = row
             if kernel is not None:
-                groups.append(DecodeGroup(lo, hi, table, None, lens=torch.tensor(lens)))
+                lens_t = torch.tensor(lens).to(dev)
+                groups.append(DecodeGroup(lo, hi, table.to(dev), None, lens=lens_t))
                 continue
             pad = None
             if lens[0] != nblk * bs:
@@ -154,7 +161,7 @@ class ModelRunner:
                 prefills.append(PrefillChunk(start, start + n, None, None))
             elif self.prefill_kernel is not None and n <= PREFILL_KERNEL_TOKENS:
                 table = torch.tensor(seq.block_table[: -(-(p0 + n) // bs)], dtype=torch.long)
-                prefills.append(PrefillChunk(start, start + n, None, None, table, p0))
+                prefills.append(PrefillChunk(start, start + n, None, None, table.to(dev), p0))
             else:
                 ctx = cache.slots(seq.block_table, 0, p0 + n)
                 mask = torch.ones(n, p0 + n, dtype=torch.bool).tril(diagonal=p0).to(dev)
@@ -195,7 +202,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> dict[Sequence, int]:
         """Run one step; return the sampled next token of each sequence that reached its end."""
-        if self.decode_kernel is not None:  # the CPU, with crowdchat's kernels built
+        if self.decode_kernel is not None and self.device.type == "cpu":  # crowdchat's kernels
             rows = len(plan.decodes) + sum(n for _, n in plan.prefills)
             self._use_threads(rows)
         logits = self.forward(plan)

@@ -1,0 +1,179 @@
+"""Paged attention for CUDA in Triton: each decode row reads its own blocks of the KV pool
+through its block table inside the kernel, split over the context (flash-decoding).
+
+The CUDA path gathered each length group's blocks into a dense copy and called SDPA with a
+pad mask: a copy of the context a step, a group per ~25% of context spread, and shapes that
+change every step (nothing a CUDA graph can hold). Here one launch serves every decode row:
+
+- grid (rows, KV heads, splits): a program takes one row's one KV head and `split_blocks`
+  blocks of its context, the KV head's query heads together (GQA: K/V read once for the
+  group), an online softmax in float32 over the blocks, and writes its partial max, sum and
+  output; a few tensor ops merge the splits (`_merge`), as flash-decoding does;
+- the launch shape depends only on the rows and the block table's width, not on the
+  contexts' lengths: blocks past a row's length are skipped inside the kernel, a row of length
+  0 (a padded row of a batch bucket) writes zeros; so a step of a fixed bucket can be captured;
+- a short prefill chunk after cached tokens is the same kernel, one row per chunk token with
+  the sequence's table and the token's own causal length (`paged_prefill_attention`).
+
+`paged_decode_attention` and `paged_prefill_attention` have the signatures of crowdchat's CPU
+kernels (engine.kernels.cpu_kernels), so the runner plugs them into the same hooks. On the CPU
+the tests run them under `TRITON_INTERPRET=1` against the reference attention (float32 and
+float16 pools: the interpreter reads bfloat16 wrongly); tests/test_cuda.py runs them on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+SPLIT_TOKENS = 512  # context tokens per program: long conversations spread over more programs
+
+
+def available() -> bool:
+    """Whether Triton is installed (it ships with PyTorch's CUDA builds)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+if available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _split_kernel(
+        q_ptr,  # [B, H, D]
+        k_ptr,  # [H_kv, slots, D]
+        v_ptr,
+        table_ptr,  # [B, nblk] int64
+        lens_ptr,  # [B] int64
+        m_ptr,  # [B, H, S] float32: each split's running max
+        l_ptr,  # [B, H, S] float32: its sum of exponentials
+        acc_ptr,  # [B, H, S, D] float32: its unnormalized output
+        scale,
+        stride_qb,
+        stride_qh,
+        stride_kh,
+        stride_ks,
+        stride_tb,
+        splits,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK: tl.constexpr,
+        SPLIT_BLOCKS: tl.constexpr,
+    ):
+        row, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        length = tl.load(lens_ptr + row)
+        g = tl.arange(0, GROUP_PAD)
+        heads = kvh * GROUP + g
+        d = tl.arange(0, D_PAD)
+        hmask, dmask = g < GROUP, d < D
+        q = tl.load(
+            q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :],
+            mask=hmask[:, None] & dmask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.full([GROUP_PAD], 0.0, tl.float32)
+        acc = tl.full([GROUP_PAD, D_PAD], 0.0, tl.float32)
+        offs = tl.arange(0, BLOCK)
+        for i in range(SPLIT_BLOCKS):  # a fixed trip count; blocks past the row's end skipped
+            index = split * SPLIT_BLOCKS + i
+            if index * BLOCK < length:
+                block = tl.load(table_ptr + row * stride_tb + index)
+                valid = index * BLOCK + offs < length
+                where = kvh * stride_kh + (block * BLOCK + offs)[:, None] * stride_ks + d[None, :]
+                kv_mask = valid[:, None] & dmask[None, :]
+                k = tl.load(k_ptr + where, mask=kv_mask, other=0.0).to(tl.float32)
+                s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BLOCK]
+                s = tl.where(valid[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(s - m_new[:, None])
+                v = tl.load(v_ptr + where, mask=kv_mask, other=0.0).to(tl.float32)
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+                total = total * alpha + tl.sum(p, axis=1)
+                m = m_new
+        out = (row * GROUP * tl.num_programs(1) + heads) * splits + split
+        tl.store(m_ptr + out, m, mask=hmask)
+        tl.store(l_ptr + out, total, mask=hmask)
+        tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=hmask[:, None] & dmask[None, :])
+
+
+def _merge(m: torch.Tensor, total: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """The splits' partial results ([B, H, S], [B, H, S], [B, H, S, D]) merged into the
+    attention output [B, H, D]; a row with no context (all sums 0) gives zeros."""
+    top = m.amax(-1, keepdim=True)
+    weight = torch.where(total > 0, torch.exp(m - top), torch.zeros_like(m))
+    norm = (weight * total).sum(-1, keepdim=True)
+    out = (weight[..., None] * acc).sum(-2)
+    return out / torch.where(norm > 0, norm, torch.ones_like(norm))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [H_kv, slots, D]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [B, nblk] int64
+    context_lens: torch.Tensor,  # [B] int64
+    block_size: int,
+    scale: float,
+    split_tokens: int = SPLIT_TOKENS,
+) -> torch.Tensor:
+    """Each row's query heads against its own first `context_lens` tokens in the pool's
+    blocks; float32 [B, H, D]. The launch depends on B, the table's width and `split_tokens`
+    only."""
+    b, h, d = q.shape
+    hkv, nblk = k_cache.shape[0], block_table.shape[1]
+    assert h % hkv == 0 and k_cache.shape[2] == d and k_cache.stride(2) == 1
+    assert k_cache.stride() == v_cache.stride() and q.stride(2) == 1
+    group = h // hkv
+    split_blocks = max(1, min(nblk, split_tokens // block_size))
+    splits = max(1, -(-nblk // split_blocks))
+    m = q.new_empty(b, h, splits, dtype=torch.float32)
+    total = torch.empty_like(m)
+    acc = q.new_empty(b, h, splits, d, dtype=torch.float32)
+    if b == 0:
+        return acc[:, :, 0]
+    _split_kernel[(b, hkv, splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        context_lens,
+        m,
+        total,
+        acc,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        block_table.stride(0),
+        splits,
+        GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group),
+        D=d,
+        D_PAD=triton.next_power_of_2(d),
+        BLOCK=block_size,
+        SPLIT_BLOCKS=split_blocks,
+    )
+    return _merge(m, total, acc)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [n, H, D]: a chunk's tokens, after `cached` tokens of its sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,  # [nblk] int64: the sequence's blocks (the chunk's K/V written)
+    cached: int,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """A prefill chunk after cached tokens, causal: token i sees the first cached + i + 1
+    tokens; the decode kernel with one row per token sharing one table (stride 0)."""
+    n = q.shape[0]
+    table = blocks[None, :].expand(n, -1)
+    lens = torch.arange(cached + 1, cached + n + 1, device=q.device)
+    return paged_decode_attention(q, k_cache, v_cache, table, lens, block_size, scale)
