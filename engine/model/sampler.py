@@ -18,7 +18,7 @@ tokens alone or in any batch, on any device; an unseeded one gets a random seed 
 
 from __future__ import annotations
 
-import random
+import secrets
 
 import torch
 
@@ -57,7 +57,7 @@ def uniforms(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
 def _seed(seq: Sequence) -> int:
     if seq.seed is None:
         p = seq.params.seed
-        seq.seed = _int64(p if p is not None else random.getrandbits(64))
+        seq.seed = _int64(p if p is not None else secrets.randbits(64))
     return seq.seed
 
 
