@@ -10,8 +10,10 @@ change every step (nothing a CUDA graph can hold). Here one launch serves every 
   group), an online softmax in float32 over the blocks, and writes its partial max, sum and
   output; a few tensor ops merge the splits (`_merge`), as flash-decoding does;
 - the launch shape depends only on the rows and the block table's width, not on the
-  contexts' lengths: blocks past a row's length are skipped inside the kernel, a row of length
-  0 (a padded row of a batch bucket) writes zeros; so a step of a fixed bucket can be captured;
+  contexts' lengths, and the compiled kernel only on the model's shape and the block size
+  (Triton compiles one per set of `constexpr`s): blocks past a row's length are skipped
+  inside the kernel, a row of length 0 (a padded row of a batch bucket) writes zeros; so a
+  step of a fixed bucket can be captured;
 - a short prefill chunk after cached tokens is the same kernel, one row per chunk token with
   the sequence's table and the token's own causal length (`paged_prefill_attention`).
 
@@ -129,7 +131,8 @@ def paged_decode_attention(
     assert h % hkv == 0 and k_cache.shape[2] == d and k_cache.stride(2) == 1
     assert k_cache.stride() == v_cache.stride() and q.stride(2) == 1
     group = h // hkv
-    split_blocks = max(1, min(nblk, split_tokens // block_size))
+    # fixed per model (not the table's width): one compiled kernel serves every step
+    split_blocks = max(1, split_tokens // block_size)
     splits = max(1, -(-nblk // split_blocks))
     m = q.new_empty(b, h, splits, dtype=torch.float32)
     total = torch.empty_like(m)

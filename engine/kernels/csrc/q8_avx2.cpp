@@ -157,7 +157,7 @@ void q4_tile(const uint8_t* pw, const uint16_t* psz, const Int8Rows& x, int64_t 
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * ldy, rounded(acc[r]));
 }
 
-// The same for one block of 8 columns of int8 weights (`pack_for_avx2` of Int8Linear): per 4
+// The same for one block of 8 columns of int8 weights (Int8Linear's AVX2 layout): per 4
 // values of K 32 bytes, bytes 4c .. 4c + 3 column c's; y = scale * sum over groups d sum(q x)
 template <int R>
 void i8_tile(const int8_t* pw, const float* scales, const Int8Rows& x, int64_t k, int64_t r0,
