@@ -376,23 +376,39 @@ inline void group_sums(const __m512i (&w)[8], const int8_t* xq, int64_t k, __m51
 // them with 4 int8 values of x into int32 sums, 64 products an instruction (twice `vdpbf16ps`'s
 // 32, at the same rate on Zen 4/5): y = sum over groups of d (scale * sum(q x) + (zero - 8
 // scale) * sum(x)), the integer sums exact
-template <int R>
-void dot_block_q8(const uint8_t* pw, const float* pso, const int8_t* xq, const float* xd,
-                  const float* xds, int64_t k, int64_t groups, float* y, int64_t ldy) {
+// One block's 4-bit groups as `vpdpbusd` takes them, into `w` (8 vectors a group): per 4
+// values of K, 32 bytes: byte 2c of column c holds q[4t] (low nibble) and q[4t + 2], byte
+// 2c + 1 q[4t + 1] and q[4t + 3]; as a 32-bit lane: bytes q[4t .. 4t + 3] in order. Unpacked
+// once per block and chunk of rows, then read from L1 by every kDotRows rows (unpacking per
+// tile was ~40% of the instructions at 32 rows)
+void unpack_q8(const uint8_t* pw, int64_t groups, __m512i* w) {
   const __m512i nibbles = _mm512_set1_epi32(0x0f0f);
+  for (int64_t i = 0; i < groups * 8; ++i) {
+    const __m512i word =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + i * 32)));
+    const __m512i lo = _mm512_and_si512(word, nibbles);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(word, 4), nibbles);
+    w[i] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+  }
+}
+
+// R rows of int8 x through one block of 16 output columns (`pw`, its groups unpacked by
+// `unpack_q8` into `wu` where `Cached`): each group's 4-bit weights as unsigned bytes, 4 values of K a lane, and
+// `vpdpbusd` multiplies them with 4 int8 values of x into int32 sums, 64 products an
+// instruction (twice `vdpbf16ps`'s 32, at the same rate on Zen 4/5): y = sum over groups of
+// d (scale * sum(q x) + (zero - 8 scale) * sum(x)), the integer sums exact
+template <int R, bool Cached>
+void dot_block_q8(const uint8_t* pw, const __m512i* wu, const float* pso, const int8_t* xq,
+                  const float* xd, const float* xds, int64_t k, int64_t groups, float* y,
+                  int64_t ldy) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    // per 4 values of K, 32 bytes: byte 2c of column c holds q[4t] (low nibble) and q[4t + 2],
-    // byte 2c + 1 q[4t + 1] and q[4t + 3]; as a 32-bit lane: bytes q[4t .. 4t + 3] in order
     __m512i w[8];
-    const uint8_t* p = pw + g * 256;
-    for (int t = 0; t < 8; ++t) {
-      const __m512i word = _mm512_cvtepu16_epi32(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + t * 32)));
-      const __m512i lo = _mm512_and_si512(word, nibbles);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(word, 4), nibbles);
-      w[t] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+    if constexpr (Cached) {  // unpacked before, for many rows
+      for (int t = 0; t < 8; ++t) w[t] = _mm512_load_si512(wu + g * 8 + t);
+    } else {  // a few rows: unpacked here, in registers
+      unpack_q8(pw + g * 256, 1, w);
     }
     const __m512 scale = _mm512_loadu_ps(pso + g * 32), offset = _mm512_loadu_ps(pso + g * 32 + 16);
     __m512i s[R];
@@ -420,11 +436,38 @@ at::Tensor q4_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = so.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  over_blocks(m, blocks, m * n * k, [&](auto rows, int64_t b, int64_t r0) {
-    dot_block_q8<decltype(rows)::value>(pp + b * groups * 256, sp + b * groups * 32,
-                                        xr.q.data() + r0 * k, xr.d.data() + r0 * groups,
-                                        xr.dsum.data() + r0 * groups, k, groups,
-                                        yp + r0 * n + b * 16, n);
+  // each thread its range of blocks; with more rows than one tile, per chunk of kDotChunk rows
+  // a block's groups are unpacked once into `wu` (L1), then every kDotRows rows read them
+  const bool cached = m > 2 * kDotRows;  // at 16 rows (a decode_stack thread's half of 32) no gain
+  const int64_t grain = m * n * k < kSerialWork ? blocks + 1 : 1;
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    std::vector<__m512i> wu(cached ? groups * 8 : 0);
+    for (int64_t c0 = 0; c0 < m; c0 += kDotChunk) {
+      const int64_t c1 = std::min(m, c0 + kDotChunk);
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* pw = pp + b * groups * 256;
+        if (cached) unpack_q8(pw, groups, wu.data());
+        for (int64_t r0 = c0; r0 < c1; r0 += kDotRows) {
+          const auto tile = [&](auto rows) {
+            const auto f = cached ? dot_block_q8<decltype(rows)::value, true>
+                                  : dot_block_q8<decltype(rows)::value, false>;
+            f(pw, wu.data(), sp + b * groups * 32, xr.q.data() + r0 * k,
+              xr.d.data() + r0 * groups, xr.dsum.data() + r0 * groups, k, groups,
+              yp + r0 * n + b * 16, n);
+          };
+          switch (std::min<int64_t>(kDotRows, c1 - r0)) {
+            case 1: tile(std::integral_constant<int, 1>{}); break;
+            case 2: tile(std::integral_constant<int, 2>{}); break;
+            case 3: tile(std::integral_constant<int, 3>{}); break;
+            case 4: tile(std::integral_constant<int, 4>{}); break;
+            case 5: tile(std::integral_constant<int, 5>{}); break;
+            case 6: tile(std::integral_constant<int, 6>{}); break;
+            case 7: tile(std::integral_constant<int, 7>{}); break;
+            default: tile(std::integral_constant<int, 8>{}); break;
+          }
+        }
+      }
+    }
   });
   return y;
 }
