@@ -252,9 +252,10 @@ class Int8Linear(QuantLinear):
         # `own` (float32 compute): csrc/q4_linear.cpp's AVX512-BF16 int8 kernel where built,
         # else with `q8` csrc/q8_avx2.cpp's
         dot = cpu_kernels.q4_dot_layout()
-        self.q8 = own and q8 and n % 8 == 0 and k % GROUP_SIZE == 0 and cpu_kernels.q8_activations()
-        self.own = self.q8 and not dot or own and n % 16 == 0 and k % GROUP_SIZE == 0 and dot
-        self.q8 = self.q8 and self.own
+        q8 = q8 and cpu_kernels.q8_activations()
+        fits = n % 16 == 0 if dot else q8 and n % 8 == 0  # AVX2: the int8-x kernel only
+        self.own = own and k % GROUP_SIZE == 0 and fits
+        self.q8 = self.own and q8
         if self.q8 and not dot:  # csrc/q8_avx2.cpp: [N/8, K/4, 32], bytes 4c + j: K = 4t + j
             qweight = q.view(n // 8, 8, k // 4, 4).permute(0, 2, 1, 3).reshape(n // 8, k // 4, 32)
             self.register_buffer("qweight", qweight.contiguous(), persistent=False)

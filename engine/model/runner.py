@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from engine.kernels import cpu_kernels
+from engine.kernels import cpu_kernels, triton_attention
 from engine.model import attention
 from engine.model.attention import DecodeGroup, PrefillChunk, StepMetadata
 from engine.model.kv_cache import KVCache
@@ -93,8 +93,6 @@ class ModelRunner:
         # and a short prefill chunk after cached tokens (a returning user's message)
         self.prefill_kernel = cpu_kernels.prefill_attention() if self.decode_kernel else None
         if loaded.cuda_attention == "triton":
-            from engine.kernels import triton_attention  # imports triton: on CUDA only
-
             self.decode_kernel = triton_attention.paged_decode_attention
             self.prefill_kernel = triton_attention.paged_prefill_attention
         arch = (getattr(self.model.config, "architectures", None) or ["?"])[0]

@@ -127,19 +127,23 @@ def _filtered(rows: torch.Tensor, seqs: list[Sequence], u: torch.Tensor) -> torc
     if c < v:  # a flat distribution whose nucleus is not among the candidates: sort it all
         short = ((k >= v) & (probs.sum(-1, keepdim=True) < top_p))[:, 0]
         if bool(short.any()):
-            whole = _filtered_sorted(rows[short], k[short], top_p[short], u[short])
+            whole = _filtered_sorted(rows[short], top_p[short], u[short])
             picks = _nucleus_pick(probs, idx, top_p, u)
             return picks.index_put((short.nonzero()[:, 0],), whole)
     return _nucleus_pick(probs, idx, top_p, u)
 
 
-def _filtered_sorted(rows: torch.Tensor, k, top_p, u: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+def _filtered_sorted(rows: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Picks for top-p rows without top-k whose nucleus is not among the candidates: the
+    whole vocabulary sorted."""
     vals, idx = torch.sort(rows, descending=True)
     probs = (vals - torch.logsumexp(rows, -1, keepdim=True)).exp()
     return _nucleus_pick(probs, idx, top_p, u)
 
 
-def _nucleus_pick(probs, idx, top_p, u: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+def _nucleus_pick(
+    probs: torch.Tensor, idx: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
     """Cut each row's sorted `probs` to its top-p nucleus (at least one), pick, map back."""
     keep = ((probs.cumsum(-1) - probs) < top_p).sum(-1, keepdim=True).clamp(min=1)
     cols = torch.arange(probs.shape[1], device=probs.device)[None, :]

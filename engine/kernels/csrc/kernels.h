@@ -3,11 +3,62 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace crowdchat {
+
+// The 4-bit weights' group along K (engine/model/cpu_quant.py GROUP_SIZE), also the groups
+// x is rounded to int8 in
+constexpr int64_t kGroup = 32;
+
+// Below this many weights x rows in a matmul call, one thread does it all: waking the other
+// threads (passive OpenMP waits, engine/threads.py) costs more than they would save: on the
+// 2-core EPYC one row through 576 x 576 or 576 x 1536 weights was faster alone, 3072 x 576 was
+// not
+constexpr int64_t kMatmulSerialWork = int64_t{1} << 20;
+
+// f(std::integral_constant<int, R>{}) for R = `rows`, 1 to Max (more than Max: Max)
+template <int Max, int R = 1, typename F>
+inline void with_rows(int64_t rows, const F& f) {
+  if constexpr (R == Max) {
+    f(std::integral_constant<int, R>{});
+  } else if (rows == R) {
+    f(std::integral_constant<int, R>{});
+  } else {
+    with_rows<Max, R + 1>(rows, f);
+  }
+}
+
+struct NoStart {
+  void operator()(int64_t) const {}
+};
+
+// The matmul kernels' loop: calls `tile(rows, b, r0)` (`rows` a std::integral_constant, 1 to
+// Rows) for every block b of output columns and every Rows rows of x [m, K] from r0. Each
+// thread takes a range of blocks; per chunk of `chunk` rows it calls `start(b)` once, then a
+// block's weights (a few KB) are read from memory once and reused from L1 by every tile.
+// `work` (weights x rows) below kMatmulSerialWork: one thread.
+template <int Rows, typename Tile, typename Start = NoStart>
+void over_blocks(int64_t m, int64_t blocks, int64_t chunk, int64_t work, const Tile& tile,
+                 const Start& start = Start{}) {
+  const int64_t grain = work < kMatmulSerialWork ? blocks + 1 : 1;
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+      const int64_t c1 = std::min(m, c0 + chunk);
+      for (int64_t b = b0; b < b1; ++b) {
+        start(b);
+        for (int64_t r0 = c0; r0 < c1; r0 += Rows) {
+          with_rows<Rows>(c1 - r0, [&](auto rows) { tile(rows, b, r0); });
+        }
+      }
+    }
+  });
+}
 
 // A float32 rounded to bfloat16 (to nearest even) and kept as float32, bitwise as ATen's
 // `x.to(torch.bfloat16).to(torch.float32)`; a NaN becomes 0xffff, as in ATen's vectorized cast

@@ -42,12 +42,10 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;
+using crowdchat::kGroup;
+using crowdchat::kMatmulSerialWork;
+using crowdchat::over_blocks;
 constexpr int64_t kRows = 4;  // rows of x sharing one widening of a group's weights
-// below this many weights x rows in a call, one thread does it all: waking the other threads
-// (passive OpenMP waits, engine/threads.py) costs more than they would save: on the 2-core
-// EPYC one row through 576 x 576 or 576 x 1536 weights was faster alone, 3072 x 576 was not
-constexpr int64_t kSerialWork = int64_t{1} << 20;
 
 inline float from_bf16(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -115,7 +113,7 @@ void rows_block(const uint8_t* packed, const uint16_t* scales_zeros, const float
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define CROWDCHAT_Q4_DOT 1
 
-constexpr int64_t kDotRows = 8;   // rows of x sharing one group's bfloat16 weights
+constexpr int kDotRows = 8;       // rows of x sharing one group's bfloat16 weights
 constexpr int64_t kDotChunk = 64;  // rows of x (their bf16 copy in L2) per pass over weights
 
 // 16 floats rounded to bfloat16 as crowdchat::bf16_rounded rounds them (NaN to 0xffff0000)
@@ -200,37 +198,10 @@ Bf16Rows bf16_rows(const at::Tensor& x, bool sums) {
   const int64_t m = x.size(0), k = x.size(1);
   const auto xc = x.contiguous();
   Bf16Rows rows{std::vector<uint16_t>(m * k), std::vector<float>(sums ? m * (k / kGroup) : 0)};
-  at::parallel_for(0, m, m * k < kSerialWork ? m + 1 : 8, [&](int64_t m0, int64_t m1) {
+  at::parallel_for(0, m, m * k < kMatmulSerialWork ? m + 1 : 8, [&](int64_t m0, int64_t m1) {
     to_bf16(xc.data_ptr<float>(), m0, m1, k, rows.bits.data(), sums ? rows.sums.data() : nullptr);
   });
   return rows;
-}
-
-// Calls `block(rows, b, r0)` for every block b of 16 output columns and every kDotRows rows of
-// x from r0 (`rows` a std::integral_constant of how many): each thread takes a range of column
-// blocks; per chunk of kDotChunk rows, a block's weights (a few KB) are read once from memory
-// and reused from L1 by every kDotRows rows
-template <typename Block>
-void over_blocks(int64_t m, int64_t blocks, int64_t work, const Block& block) {
-  at::parallel_for(0, blocks, work < kSerialWork ? blocks + 1 : 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t c0 = 0; c0 < m; c0 += kDotChunk) {
-      const int64_t c1 = std::min(m, c0 + kDotChunk);
-      for (int64_t b = b0; b < b1; ++b) {
-        for (int64_t r0 = c0; r0 < c1; r0 += kDotRows) {
-          switch (std::min<int64_t>(kDotRows, c1 - r0)) {
-            case 1: block(std::integral_constant<int, 1>{}, b, r0); break;
-            case 2: block(std::integral_constant<int, 2>{}, b, r0); break;
-            case 3: block(std::integral_constant<int, 3>{}, b, r0); break;
-            case 4: block(std::integral_constant<int, 4>{}, b, r0); break;
-            case 5: block(std::integral_constant<int, 5>{}, b, r0); break;
-            case 6: block(std::integral_constant<int, 6>{}, b, r0); break;
-            case 7: block(std::integral_constant<int, 7>{}, b, r0); break;
-            default: block(std::integral_constant<int, 8>{}, b, r0); break;
-          }
-        }
-      }
-    }
-  });
 }
 
 at::Tensor q4_dot(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz) {
@@ -246,7 +217,7 @@ at::Tensor q4_dot(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const auto* sp = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  over_blocks(m, blocks, m * n * k, [&](auto rows, int64_t b, int64_t r0) {
+  over_blocks<kDotRows>(m, blocks, kDotChunk, m * n * k, [&](auto rows, int64_t b, int64_t r0) {
     dot_block<decltype(rows)::value>(pp + b * groups * 256, sp + b * groups * 32,
                                      xr.bits.data() + r0 * k, xr.sums.data() + r0 * groups, k,
                                      groups, yp + r0 * n + b * 16, n);
@@ -312,7 +283,7 @@ at::Tensor int8_dot(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   const int8_t* pp = packed.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  over_blocks(m, blocks, m * n * k, [&](auto rows, int64_t b, int64_t r0) {
+  over_blocks<kDotRows>(m, blocks, kDotChunk, m * n * k, [&](auto rows, int64_t b, int64_t r0) {
     int8_block<decltype(rows)::value>(pp + b * k * 16, sp + b * 16, xr.bits.data() + r0 * k, k,
                                       yp + r0 * n + b * 16, n);
   });
@@ -337,7 +308,8 @@ Int8Rows int8_rows(const at::Tensor& x) {
   const float* xp = xc.data_ptr<float>();
   Int8Rows rows{std::vector<int8_t>(m * k), std::vector<float>(groups),
                 std::vector<float>(groups), std::vector<int32_t>(groups)};
-  at::parallel_for(0, groups, m * k < kSerialWork ? groups + 1 : 64, [&](int64_t i0, int64_t i1) {
+  const int64_t grain = m * k < kMatmulSerialWork ? groups + 1 : 64;
+  at::parallel_for(0, groups, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const __m512 a = _mm512_loadu_ps(xp + i * kGroup), b = _mm512_loadu_ps(xp + i * kGroup + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
@@ -371,11 +343,6 @@ inline void group_sums(const __m512i (&w)[8], const int8_t* xq, int64_t k, __m51
   }
 }
 
-// R rows of int8 x through one block of 16 output columns (the `dot_block` layout): each
-// group's 4-bit weights become unsigned bytes, 4 values of K a lane, and `vpdpbusd` multiplies
-// them with 4 int8 values of x into int32 sums, 64 products an instruction (twice `vdpbf16ps`'s
-// 32, at the same rate on Zen 4/5): y = sum over groups of d (scale * sum(q x) + (zero - 8
-// scale) * sum(x)), the integer sums exact
 // One block's 4-bit groups as `vpdpbusd` takes them, into `w` (8 vectors a group): per 4
 // values of K, 32 bytes: byte 2c of column c holds q[4t] (low nibble) and q[4t + 2], byte
 // 2c + 1 q[4t + 1] and q[4t + 3]; as a 32-bit lane: bytes q[4t .. 4t + 3] in order. Unpacked
@@ -392,11 +359,12 @@ void unpack_q8(const uint8_t* pw, int64_t groups, __m512i* w) {
   }
 }
 
-// R rows of int8 x through one block of 16 output columns (`pw`, its groups unpacked by
-// `unpack_q8` into `wu` where `Cached`): each group's 4-bit weights as unsigned bytes, 4 values of K a lane, and
-// `vpdpbusd` multiplies them with 4 int8 values of x into int32 sums, 64 products an
-// instruction (twice `vdpbf16ps`'s 32, at the same rate on Zen 4/5): y = sum over groups of
-// d (scale * sum(q x) + (zero - 8 scale) * sum(x)), the integer sums exact
+// R rows of int8 x through one block of 16 output columns (`pw`, the `dot_block` layout; its
+// groups unpacked by `unpack_q8` into `wu` where `Cached`): each group's 4-bit weights as
+// unsigned bytes, 4 values of K a lane, and `vpdpbusd` multiplies them with 4 int8 values of
+// x into int32 sums, 64 products an instruction (twice `vdpbf16ps`'s 32, at the same rate on
+// Zen 4/5): y = sum over groups of d (scale * sum(q x) + (zero - 8 scale) * sum(x)), the
+// integer sums exact
 template <int R, bool Cached>
 void dot_block_q8(const uint8_t* pw, const __m512i* wu, const float* pso, const int8_t* xq,
                   const float* xd, const float* xds, int64_t k, int64_t groups, float* y,
@@ -436,39 +404,25 @@ at::Tensor q4_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = so.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // each thread its range of blocks; with more rows than one tile, per chunk of kDotChunk rows
-  // a block's groups are unpacked once into `wu` (L1), then every kDotRows rows read them
-  const bool cached = m > 2 * kDotRows;  // at 16 rows (a decode_stack thread's half of 32) no gain
-  const int64_t grain = m * n * k < kSerialWork ? blocks + 1 : 1;
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<__m512i> wu(cached ? groups * 8 : 0);
-    for (int64_t c0 = 0; c0 < m; c0 += kDotChunk) {
-      const int64_t c1 = std::min(m, c0 + kDotChunk);
-      for (int64_t b = b0; b < b1; ++b) {
-        const uint8_t* pw = pp + b * groups * 256;
-        if (cached) unpack_q8(pw, groups, wu.data());
-        for (int64_t r0 = c0; r0 < c1; r0 += kDotRows) {
-          const auto tile = [&](auto rows) {
-            const auto f = cached ? dot_block_q8<decltype(rows)::value, true>
-                                  : dot_block_q8<decltype(rows)::value, false>;
-            f(pw, wu.data(), sp + b * groups * 32, xr.q.data() + r0 * k,
-              xr.d.data() + r0 * groups, xr.dsum.data() + r0 * groups, k, groups,
-              yp + r0 * n + b * 16, n);
-          };
-          switch (std::min<int64_t>(kDotRows, c1 - r0)) {
-            case 1: tile(std::integral_constant<int, 1>{}); break;
-            case 2: tile(std::integral_constant<int, 2>{}); break;
-            case 3: tile(std::integral_constant<int, 3>{}); break;
-            case 4: tile(std::integral_constant<int, 4>{}); break;
-            case 5: tile(std::integral_constant<int, 5>{}); break;
-            case 6: tile(std::integral_constant<int, 6>{}); break;
-            case 7: tile(std::integral_constant<int, 7>{}); break;
-            default: tile(std::integral_constant<int, 8>{}); break;
-          }
+  // past 16 rows (at 16, a decode_stack thread's half of 32 rows, it did not pay) a block's
+  // groups are unpacked once per chunk of rows into `wu` (L1), then every tile reads them
+  const bool cached = m > 2 * kDotRows;
+  thread_local std::vector<__m512i> wu;  // each thread's own
+  over_blocks<kDotRows>(
+      m, blocks, kDotChunk, m * n * k,
+      [&](auto rows, int64_t b, int64_t r0) {
+        const auto f = cached ? dot_block_q8<decltype(rows)::value, true>
+                              : dot_block_q8<decltype(rows)::value, false>;
+        f(pp + b * groups * 256, wu.data(), sp + b * groups * 32, xr.q.data() + r0 * k,
+          xr.d.data() + r0 * groups, xr.dsum.data() + r0 * groups, k, groups,
+          yp + r0 * n + b * 16, n);
+      },
+      [&](int64_t b) {
+        if (cached) {
+          wu.resize(groups * 8);
+          unpack_q8(pp + b * groups * 256, groups, wu.data());
         }
-      }
-    }
-  });
+      });
   return y;
 }
 
@@ -508,7 +462,7 @@ at::Tensor int8_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  over_blocks(m, blocks, m * n * k, [&](auto rows, int64_t b, int64_t r0) {
+  over_blocks<kDotRows>(m, blocks, kDotChunk, m * n * k, [&](auto rows, int64_t b, int64_t r0) {
     int8_block_q8<decltype(rows)::value>(pp + b * k * 16, sp + b * 16, xr.q.data() + r0 * k,
                                          xr.d.data() + r0 * groups,
                                          xr.qsum.data() + r0 * groups, k, groups,
@@ -584,7 +538,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed,
   const auto* sp = reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
   // each thread takes a range of output rows, for every kRows rows of x
-  at::parallel_for(0, n, m * n * k < kSerialWork ? n + 1 : 16, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, n, m * n * k < kMatmulSerialWork ? n + 1 : 16, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < m; r0 += kRows) {
       const float* xr0 = xr.data() + r0 * k;
       const float* xs0 = xs.data() + r0 * groups;

@@ -36,8 +36,10 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32;
-constexpr int64_t kSerialWork = int64_t{1} << 20;  // as csrc/q4_linear.cpp: below, one thread
+using crowdchat::kGroup;
+using crowdchat::kMatmulSerialWork;
+using crowdchat::over_blocks;
+constexpr int kTileRows = 4;       // rows of x sharing one block's unpacked group
 constexpr int64_t kRowChunk = 64;  // rows of x per pass over a thread's columns
 
 inline float hmax(__m256 v) {
@@ -67,7 +69,8 @@ Int8Rows int8_rows(const at::Tensor& x) {
   Int8Rows rows{std::vector<int8_t>(m * k), std::vector<float>(groups), std::vector<float>(groups)};
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  at::parallel_for(0, groups, m * k < kSerialWork ? groups + 1 : 64, [&](int64_t i0, int64_t i1) {
+  const int64_t grain = m * k < kMatmulSerialWork ? groups + 1 : 64;
+  at::parallel_for(0, groups, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       __m256 a[4];
       for (int j = 0; j < 4; ++j) a[j] = _mm256_loadu_ps(xp + i * kGroup + 8 * j);
@@ -186,28 +189,6 @@ void i8_tile(const int8_t* pw, const float* scales, const Int8Rows& x, int64_t k
     _mm256_storeu_ps(y + (r0 + r) * ldy, rounded(_mm256_mul_ps(acc[r], scale)));
 }
 
-// Calls `tile(rows, b, r0)` (rows a std::integral_constant, 1 to 4) for every block b of 8
-// columns and every 4 rows of x from r0: each thread a range of blocks; per chunk of kRowChunk
-// rows a block's weights (a few KB) are read from memory once and reused from L1
-template <typename Tile>
-void over_blocks(int64_t m, int64_t blocks, int64_t work, const Tile& tile) {
-  at::parallel_for(0, blocks, work < kSerialWork ? blocks + 1 : 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t c0 = 0; c0 < m; c0 += kRowChunk) {
-      const int64_t c1 = std::min(m, c0 + kRowChunk);
-      for (int64_t b = b0; b < b1; ++b) {
-        for (int64_t r0 = c0; r0 < c1; r0 += 4) {
-          switch (std::min<int64_t>(4, c1 - r0)) {
-            case 1: tile(std::integral_constant<int, 1>{}, b, r0); break;
-            case 2: tile(std::integral_constant<int, 2>{}, b, r0); break;
-            case 3: tile(std::integral_constant<int, 3>{}, b, r0); break;
-            default: tile(std::integral_constant<int, 4>{}, b, r0); break;
-          }
-        }
-      }
-    }
-  });
-}
-
 at::Tensor check_x(const at::Tensor& x, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: float32 [M, K]");
   TORCH_CHECK(x.size(1) == k && k % kGroup == 0, "x has ", x.size(1), " columns, the weights ", k,
@@ -235,7 +216,7 @@ at::Tensor q4_linear_q8(const at::Tensor& x, const at::Tensor& packed, const at:
   const uint8_t* pw = packed.data_ptr<uint8_t>();
   const auto* psz = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  over_blocks(m, blocks, m * n * k, [&](auto r, int64_t b, int64_t r0) {
+  over_blocks<kTileRows>(m, blocks, kRowChunk, m * n * k, [&](auto r, int64_t b, int64_t r0) {
     q4_tile<decltype(r)::value>(pw + b * groups * 128, psz + b * groups * 16, rows, k, r0,
                                 yp + b * 8, n);
   });
@@ -258,7 +239,7 @@ at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& packed, const a
   const int8_t* pw = packed.data_ptr<int8_t>();
   const float* ps = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  over_blocks(m, blocks, m * n * k, [&](auto r, int64_t b, int64_t r0) {
+  over_blocks<kTileRows>(m, blocks, kRowChunk, m * n * k, [&](auto r, int64_t b, int64_t r0) {
     i8_tile<decltype(r)::value>(pw + b * k * 8, ps + b * 8, rows, k, r0, yp + b * 8, n);
   });
   return y;
