@@ -245,3 +245,44 @@ def avx2_int8_activation_kernels_refuse_what_they_cannot_compute() -> None:
     with pytest.raises(RuntimeError, match="float32"):
         int8(torch.randn(2, 64).bfloat16(), head.qweight, head.scales)
     assert int8(torch.randn(0, 64), head.qweight, head.scales).shape == (0, 40)
+
+
+def test_amx_tiles_give_the_vpdpbusd_results_bitwise() -> None:
+    """On AMX (Sapphire Rapids and later Xeons) the int8-activation kernels take their integer
+    sums from tiles past a few rows: the sums are exact integers, so the 4-bit linears and the
+    output projection give bitwise what `vpdpbusd` gives, at any row count (tiles of 16 rows,
+    a ragged last one), for K of an odd number of groups, weights of any size and zero rows."""
+    if not cpu_kernels.amx_tiles():
+        pytest.skip("no AMX here (or this build has no int8-activation kernel)")
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(96, 64), (208, 576), (576, 1536), (48, 32), (32, 96)]
+    ops = torch.ops.crowdchat
+    try:
+        for n, k in shapes:
+            w = q4_1_weights(gen, n, k) * float(torch.rand(1, generator=gen) * 20)
+            lin = Int4Linear(w, None, own=True, q8=True)
+            head = Int8Linear(w, None, own=True, q8=True)
+            for _ in range(6):
+                rows = int(torch.randint(1, 80, (1,), generator=gen))
+                x = torch.randn(rows, k, generator=gen) * float(torch.rand(1, generator=gen) * 9)
+                x[rows // 2] = 0
+                got = []
+                for on in (True, False):
+                    ops.set_amx(on)
+                    got.append((lin(x), head(x)))
+                assert torch.equal(got[0][0], got[1][0]), (n, k, rows)
+                assert torch.equal(got[0][1], got[1][1]), (n, k, rows)
+    finally:
+        ops.set_amx(cpu_kernels.amx_wanted())
+    assert cpu_kernels.amx_tiles()
+
+
+def test_the_amx_switch_takes_only_0_or_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$CROWDCHAT_KERNEL_AMX: unset or 1 lets the kernels use AMX, 0 holds them to `vpdpbusd`,
+    anything else is an error naming the variable."""
+    for value, want in (("", True), ("1", True), ("0", False)):
+        monkeypatch.setenv(cpu_kernels.AMX_VARIABLE, value)
+        assert cpu_kernels.amx_wanted() is want
+    monkeypatch.setenv(cpu_kernels.AMX_VARIABLE, "yes")
+    with pytest.raises(ValueError, match="CROWDCHAT_KERNEL_AMX"):
+        cpu_kernels.amx_wanted()

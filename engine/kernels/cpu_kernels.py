@@ -77,6 +77,7 @@ HEADERS = sorted(Path(__file__).with_name("csrc").glob("*.h"))
 NAME = "crowdchat_cpu_kernels"
 ARCH_VARIABLE, TUNE_VARIABLE = "CROWDCHAT_KERNEL_ARCH", "CROWDCHAT_KERNEL_TUNE"
 SANITIZE_VARIABLE = "CROWDCHAT_KERNEL_SANITIZE"
+AMX_VARIABLE = "CROWDCHAT_KERNEL_AMX"
 SANITIZERS = "-fsanitize=address,undefined"
 
 
@@ -95,6 +96,16 @@ def sanitized() -> bool:
     if value not in ("", "0", "1"):
         raise ValueError(f"{SANITIZE_VARIABLE}={value!r}: use 1 (sanitizers) or 0")
     return value == "1"
+
+
+def amx_wanted() -> bool:
+    """Whether the int8-activation kernels may use AMX tiles where built for them:
+    $CROWDCHAT_KERNEL_AMX unset, "" or "1"; "0" holds them to `vpdpbusd` (the same results,
+    for A/B timings)."""
+    value = os.environ.get(AMX_VARIABLE, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{AMX_VARIABLE}={value!r}: use 0 (no AMX) or 1")
+    return value != "0"
 
 
 def flags() -> list[str]:
@@ -169,6 +180,13 @@ def q8_activations() -> bool:
     return load() and bool(torch.ops.crowdchat.q8_activations())
 
 
+def amx_tiles() -> bool:
+    """Whether the int8-activation kernels run their many-row matmuls on AMX tiles (Sapphire
+    Rapids and later Xeons, where Linux grants the tile state; bitwise the results of
+    `vpdpbusd`, so not part of the KV fingerprint)."""
+    return load() and bool(torch.ops.crowdchat.amx_tiles())
+
+
 def isa() -> str:
     """The instruction sets the loaded kernels were built for (`avx2+fma+avx512f+...`), or
     `none` where they cannot be built: the K/V they compute depends on it (engine.model.loader's
@@ -202,6 +220,7 @@ def _build() -> bool:
                 build_directory=str(where),
                 is_python_module=False,
             )
+        torch.ops.crowdchat.set_amx(amx_wanted())
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: gather
         log.warning(
             "crowdchat's CPU kernels unavailable (%s): decode attention gathers, 4-bit weights "

@@ -38,25 +38,37 @@ struct NoStart {
   void operator()(int64_t) const {}
 };
 
+// Runs a thread's share of over_blocks as it is (another `around` sets up and releases
+// per-thread state, such as AMX's tile configuration, once per share)
+struct Plain {
+  template <typename F>
+  void operator()(const F& f) const {
+    f();
+  }
+};
+
 // The matmul kernels' loop: calls `tile(rows, b, r0)` (`rows` a std::integral_constant, 1 to
 // Rows) for every block b of output columns and every Rows rows of x [m, K] from r0. Each
 // thread takes a range of blocks; per chunk of `chunk` rows it calls `start(b)` once, then a
 // block's weights (a few KB) are read from memory once and reused from L1 by every tile.
-// `work` (weights x rows) below kMatmulSerialWork: one thread.
-template <int Rows, typename Tile, typename Start = NoStart>
+// `work` (weights x rows) below kMatmulSerialWork: one thread. Each thread's share runs inside
+// `around(share)`.
+template <int Rows, typename Tile, typename Start = NoStart, typename Around = Plain>
 void over_blocks(int64_t m, int64_t blocks, int64_t chunk, int64_t work, const Tile& tile,
-                 const Start& start = Start{}) {
+                 const Start& start = Start{}, const Around& around = Around{}) {
   const int64_t grain = work < kMatmulSerialWork ? blocks + 1 : 1;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
-      const int64_t c1 = std::min(m, c0 + chunk);
-      for (int64_t b = b0; b < b1; ++b) {
-        start(b);
-        for (int64_t r0 = c0; r0 < c1; r0 += Rows) {
-          with_rows<Rows>(c1 - r0, [&](auto rows) { tile(rows, b, r0); });
+    around([&] {
+      for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+        const int64_t c1 = std::min(m, c0 + chunk);
+        for (int64_t b = b0; b < b1; ++b) {
+          start(b);
+          for (int64_t r0 = c0; r0 < c1; r0 += Rows) {
+            with_rows<Rows>(c1 - r0, [&](auto rows) { tile(rows, b, r0); });
+          }
         }
       }
-    }
+    });
   });
 }
 

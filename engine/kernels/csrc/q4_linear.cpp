@@ -36,14 +36,21 @@
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
 using crowdchat::kGroup;
 using crowdchat::kMatmulSerialWork;
+using crowdchat::NoStart;
 using crowdchat::over_blocks;
 constexpr int64_t kRows = 4;  // rows of x sharing one widening of a group's weights
 
@@ -302,11 +309,12 @@ struct Int8Rows {
   std::vector<int32_t> qsum;
 };
 
-Int8Rows int8_rows(const at::Tensor& x) {
+// (`pad`: q has zero rows after the last up to a multiple of that many rows, for whole AMX tiles)
+Int8Rows int8_rows(const at::Tensor& x, int64_t pad = 1) {
   const int64_t m = x.size(0), k = x.size(1), groups = m * (k / kGroup);
   const auto xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
-  Int8Rows rows{std::vector<int8_t>(m * k), std::vector<float>(groups),
+  Int8Rows rows{std::vector<int8_t>((m + pad - 1) / pad * pad * k), std::vector<float>(groups),
                 std::vector<float>(groups), std::vector<int32_t>(groups)};
   const int64_t grain = m * k < kMatmulSerialWork ? groups + 1 : 64;
   at::parallel_for(0, groups, grain, [&](int64_t i0, int64_t i1) {
@@ -343,6 +351,101 @@ inline void group_sums(const __m512i (&w)[8], const int8_t* xq, int64_t k, __m51
   }
 }
 
+// Where the integer sums come from: `vpdpbusd` on the group's weights unpacked in registers
+// (a few rows), on weights unpacked before into L1 (many rows), or AMX tiles
+enum class Sums { kRegisters, kCached, kTiles };
+
+constexpr int kTileRows = 16;        // rows of x in an AMX tile
+constexpr int64_t kTileMinRows = 10;  // fewer rows: `vpdpbusd` (at 8, AMX was 0.9-1.0x)
+std::atomic<bool> amx_wanted{true};  // `set_amx`
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define CROWDCHAT_AMX 1
+
+// AMX (Sapphire Rapids and later Xeons): one `tdpbsud` multiplies a tile of 16 rows of x's
+// int8 values (one group, 32 bytes a row) by the group's weights in the very layout
+// `vpdpbusd` takes (8 rows of 16 columns' 4 bytes) into 16 x 16 int32 sums, 8,192 products an
+// instruction against `vpdpbusd`'s 64. The sums are exact integers, so every float operation
+// after them, and so the result, is bitwise the `vpdpbusd` path's. The groups of 32 bound the
+// gain: each group's sums go through memory (no tile-to-register move before AMX-AVX512) and
+// take 4 float operations a row to scale. On the Sapphire Rapids KVM guest a tile load took
+// 16-40 cycles, a store 23, a product 13 (K = 32 runs no faster than 64): ~40 cycles a group
+// against ~115 for 16 rows of `vpdpbusd`, and the scaling after it as much again. Measured
+// there: the embedded model's 4-bit linears 1.1-1.25x at 16-500 rows, the output projection
+// 1.15-1.35x; with every group's sums buffered first (four products in flight) it was slower.
+
+// Linux hands a process AMX's 8 KB of tile state only when asked (arch_prctl), once
+bool amx_permitted() {
+  constexpr int kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XTILEDATA
+  static const bool ok = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return ok;
+}
+
+bool amx_on() { return amx_wanted.load(std::memory_order_relaxed) && amx_permitted(); }
+
+// A thread's tile configuration for the time it computes (`over_blocks`' `around`), released
+// after (the tile state is then not saved at every context switch): tmm0 and tmm3 the sums (16
+// rows of 16 int32), tmm1 and tmm4 16 rows of a group of x (32 bytes each), tmm2 and tmm5 a
+// group's weights (8 rows of 64 bytes): two groups in flight
+struct Tiles {
+  template <typename F>
+  void operator()(const F& f) const {
+    alignas(64) uint8_t config[64] = {};
+    config[0] = 1;  // palette 1
+    const auto tile = [&config](int t, int rows, uint16_t bytes) {
+      std::memcpy(config + 16 + 2 * t, &bytes, sizeof(bytes));
+      config[48 + t] = static_cast<uint8_t>(rows);
+    };
+    for (int t = 0; t < 6; t += 3) {
+      tile(t, kTileRows, 64);
+      tile(t + 1, kTileRows, kGroup);
+      tile(t + 2, kGroup / 4, 64);
+    }
+    _tile_loadconfig(config);
+    f();
+    _tile_release();
+  }
+};
+
+// `group_sums` on AMX for every group of a block (x padded to kTileRows rows: int8_rows'
+// `pad`; `w` the groups' weights, 512 bytes each): add(g, s) for each group g, s(r) its sums
+// for row r. Tiles are not renamed as registers are, and a group's sums reach the vector
+// registers only through memory, so two groups alternate between two sets of tiles: the next
+// group's product runs while this one's sums are scaled (one set: no faster than `vpdpbusd`)
+template <typename Add>
+void tile_groups(const uint8_t* w, const int8_t* xq, int64_t k, int64_t groups, const Add& add) {
+  alignas(64) int32_t sums[2][kTileRows * 16];
+  const auto even = [&](int64_t g) {
+    _tile_zero(0);
+    _tile_loadd(1, xq + g * kGroup, k);
+    _tile_loadd(2, w + g * 512, 64);
+    _tile_dpbsud(0, 1, 2);
+  };
+  const auto odd = [&](int64_t g) {
+    _tile_zero(3);
+    _tile_loadd(4, xq + g * kGroup, k);
+    _tile_loadd(5, w + g * 512, 64);
+    _tile_dpbsud(3, 4, 5);
+  };
+  const auto row = [&sums](int set) {
+    return [&sums, set](int r) { return _mm512_load_si512(sums[set] + 16 * r); };
+  };
+  even(0);
+  for (int64_t g = 0; g < groups; g += 2) {
+    if (g + 1 < groups) odd(g + 1);
+    _tile_stored(0, sums[0], 64);
+    if (g + 2 < groups) even(g + 2);
+    add(g, row(0));
+    if (g + 1 < groups) {
+      _tile_stored(3, sums[1], 64);
+      add(g + 1, row(1));
+    }
+  }
+}
+#else
+bool amx_on() { return false; }
+#endif
+
 // One block's 4-bit groups as `vpdpbusd` takes them, into `w` (8 vectors a group): per 4
 // values of K, 32 bytes: byte 2c of column c holds q[4t] (low nibble) and q[4t + 2], byte
 // 2c + 1 q[4t + 1] and q[4t + 3]; as a 32-bit lane: bytes q[4t .. 4t + 3] in order. Unpacked
@@ -360,32 +463,40 @@ void unpack_q8(const uint8_t* pw, int64_t groups, __m512i* w) {
 }
 
 // R rows of int8 x through one block of 16 output columns (`pw`, the `dot_block` layout; its
-// groups unpacked by `unpack_q8` into `wu` where `Cached`): each group's 4-bit weights as
+// groups unpacked by `unpack_q8` into `wu` but for kRegisters): each group's 4-bit weights as
 // unsigned bytes, 4 values of K a lane, and `vpdpbusd` multiplies them with 4 int8 values of
 // x into int32 sums, 64 products an instruction (twice `vdpbf16ps`'s 32, at the same rate on
 // Zen 4/5): y = sum over groups of d (scale * sum(q x) + (zero - 8 scale) * sum(x)), the
 // integer sums exact
-template <int R, bool Cached>
+template <int R, Sums How>
 void dot_block_q8(const uint8_t* pw, const __m512i* wu, const float* pso, const int8_t* xq,
                   const float* xd, const float* xds, int64_t k, int64_t groups, float* y,
                   int64_t ldy) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
+  const auto add = [&](int64_t g, const auto& s) {  // group g's sums s(r) into acc
+    const __m512 scale = _mm512_loadu_ps(pso + g * 32), offset = _mm512_loadu_ps(pso + g * 32 + 16);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = r * groups + g;
+      const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(s(r)), _mm512_set1_ps(xd[i]));
+      acc[r] = _mm512_fmadd_ps(scale, sum, _mm512_fmadd_ps(offset, _mm512_set1_ps(xds[i]), acc[r]));
+    }
+  };
+#ifdef CROWDCHAT_AMX
+  if constexpr (How == Sums::kTiles) {
+    tile_groups(reinterpret_cast<const uint8_t*>(wu), xq, k, groups, add);
+  }
+#endif
+  for (int64_t g = 0; How != Sums::kTiles && g < groups; ++g) {
     __m512i w[8];
-    if constexpr (Cached) {  // unpacked before, for many rows
+    if constexpr (How == Sums::kCached) {  // unpacked before, for many rows
       for (int t = 0; t < 8; ++t) w[t] = _mm512_load_si512(wu + g * 8 + t);
     } else {  // a few rows: unpacked here, in registers
       unpack_q8(pw + g * 256, 1, w);
     }
-    const __m512 scale = _mm512_loadu_ps(pso + g * 32), offset = _mm512_loadu_ps(pso + g * 32 + 16);
     __m512i s[R];
     group_sums<R>(w, xq + g * kGroup, k, s);
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = r * groups + g;
-      const __m512 sum = _mm512_mul_ps(_mm512_cvtepi32_ps(s[r]), _mm512_set1_ps(xd[i]));
-      acc[r] = _mm512_fmadd_ps(scale, sum, _mm512_fmadd_ps(offset, _mm512_set1_ps(xds[i]), acc[r]));
-    }
+    add(g, [&s](int r) { return s[r]; });
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, rounded(acc[r]));
 }
@@ -400,29 +511,38 @@ at::Tensor q4_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int64_t n = blocks * 16;
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  const Int8Rows xr = int8_rows(x);
+  const bool tiles = amx_on() && m >= kTileMinRows;
+  const Int8Rows xr = int8_rows(x, tiles ? kTileRows : 1);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = so.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // past 16 rows (at 16, a decode_stack thread's half of 32 rows, it did not pay) a block's
-  // groups are unpacked once per chunk of rows into `wu` (L1), then every tile reads them
-  const bool cached = m > 2 * kDotRows;
+  // on AMX, or past 16 rows (at 16, a decode_stack thread's half of 32 rows, it did not pay
+  // for `vpdpbusd`), a block's groups are unpacked once per chunk of rows into `wu` (L1), then
+  // every tile reads them
+  const Sums how = tiles ? Sums::kTiles : m > 2 * kDotRows ? Sums::kCached : Sums::kRegisters;
   thread_local std::vector<__m512i> wu;  // each thread's own
-  over_blocks<kDotRows>(
-      m, blocks, kDotChunk, m * n * k,
-      [&](auto rows, int64_t b, int64_t r0) {
-        const auto f = cached ? dot_block_q8<decltype(rows)::value, true>
-                              : dot_block_q8<decltype(rows)::value, false>;
-        f(pp + b * groups * 256, wu.data(), sp + b * groups * 32, xr.q.data() + r0 * k,
-          xr.d.data() + r0 * groups, xr.dsum.data() + r0 * groups, k, groups,
-          yp + r0 * n + b * 16, n);
-      },
-      [&](int64_t b) {
-        if (cached) {
-          wu.resize(groups * 8);
-          unpack_q8(pp + b * groups * 256, groups, wu.data());
-        }
-      });
+  const auto tile = [&](auto rows, int64_t b, int64_t r0) {
+    constexpr int R = decltype(rows)::value;
+    const auto f = how == Sums::kTiles    ? dot_block_q8<R, Sums::kTiles>
+                   : how == Sums::kCached ? dot_block_q8<R, Sums::kCached>
+                                          : dot_block_q8<R, Sums::kRegisters>;
+    f(pp + b * groups * 256, wu.data(), sp + b * groups * 32, xr.q.data() + r0 * k,
+      xr.d.data() + r0 * groups, xr.dsum.data() + r0 * groups, k, groups, yp + r0 * n + b * 16,
+      n);
+  };
+  const auto unpack = [&](int64_t b) {
+    if (how != Sums::kRegisters) {
+      wu.resize(groups * 8);
+      unpack_q8(pp + b * groups * 256, groups, wu.data());
+    }
+  };
+#ifdef CROWDCHAT_AMX
+  if (tiles) {
+    over_blocks<kTileRows>(m, blocks, kDotChunk, m * n * k, tile, unpack, Tiles{});
+    return y;
+  }
+#endif
+  over_blocks<kDotRows>(m, blocks, kDotChunk, m * n * k, tile, unpack);
   return y;
 }
 
@@ -430,21 +550,27 @@ at::Tensor q4_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::Te
 // weight plus 128 as an unsigned byte (`vpdpbusd` takes one operand unsigned), layout uint8
 // [N/16, K/4, 64], byte 4c + j for column c and K = 4t + j; per group of 32 the integer sum
 // less 128 times the group's sum of x's int8 values is exact, then scaled by d
-template <int R>
+template <int R, Sums How>
 void int8_block_q8(const uint8_t* pw, const float* scales, const int8_t* xq, const float* xd,
                    const int32_t* xqs, int64_t k, int64_t groups, float* y, int64_t ldy) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
+  const auto add = [&](int64_t g, const auto& s) {  // group g's sums s(r) into acc
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = r * groups + g;
+      const __m512i exact = _mm512_sub_epi32(s(r), _mm512_set1_epi32(128 * xqs[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(xd[i]), acc[r]);
+    }
+  };
+#ifdef CROWDCHAT_AMX
+  if constexpr (How == Sums::kTiles) tile_groups(pw, xq, k, groups, add);  // the tiles' layout
+#endif
+  for (int64_t g = 0; How != Sums::kTiles && g < groups; ++g) {
     __m512i w[8];
     for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(pw + (g * 8 + t) * 64);
     __m512i s[R];
     group_sums<R>(w, xq + g * kGroup, k, s);
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = r * groups + g;
-      const __m512i exact = _mm512_sub_epi32(s[r], _mm512_set1_epi32(128 * xqs[i]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(xd[i]), acc[r]);
-    }
+    add(g, [&s](int r) { return s[r]; });
   }
   const __m512 scale = _mm512_loadu_ps(scales);
   for (int r = 0; r < R; ++r)
@@ -457,17 +583,25 @@ at::Tensor int8_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::
               " columns, the weights ", 4 * packed.size(1), " (a multiple of 32)");
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  const Int8Rows xr = int8_rows(x);
+  const bool tiles = amx_on() && m >= kTileMinRows;
+  const Int8Rows xr = int8_rows(x, tiles ? kTileRows : 1);
   const int64_t groups = k / kGroup;
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  over_blocks<kDotRows>(m, blocks, kDotChunk, m * n * k, [&](auto rows, int64_t b, int64_t r0) {
-    int8_block_q8<decltype(rows)::value>(pp + b * k * 16, sp + b * 16, xr.q.data() + r0 * k,
-                                         xr.d.data() + r0 * groups,
-                                         xr.qsum.data() + r0 * groups, k, groups,
-                                         yp + r0 * n + b * 16, n);
-  });
+  const auto tile = [&](auto rows, int64_t b, int64_t r0) {
+    constexpr int R = decltype(rows)::value;
+    const auto f = tiles ? int8_block_q8<R, Sums::kTiles> : int8_block_q8<R, Sums::kRegisters>;
+    f(pp + b * k * 16, sp + b * 16, xr.q.data() + r0 * k, xr.d.data() + r0 * groups,
+      xr.qsum.data() + r0 * groups, k, groups, yp + r0 * n + b * 16, n);
+  };
+#ifdef CROWDCHAT_AMX
+  if (tiles) {
+    over_blocks<kTileRows>(m, blocks, kDotChunk, m * n * k, tile, NoStart{}, Tiles{});
+    return y;
+  }
+#endif
+  over_blocks<kDotRows>(m, blocks, kDotChunk, m * n * k, tile);
   return y;
 }
 #endif  // __AVX512VNNI__
@@ -486,6 +620,24 @@ bool q8_activations() {
 #else
   return q8_avx2();
 #endif
+}
+
+// whether the int8-activation kernels run on AMX tiles: built for AMX-INT8, Linux lets this
+// process use it, and not turned off by `set_amx(false)` (which returns the state before)
+bool amx_tiles() {
+#if defined(CROWDCHAT_Q8_ACT)
+  return amx_on();
+#else
+  return false;
+#endif
+}
+
+bool set_amx(bool on) {
+  const bool before = amx_tiles();
+#if defined(CROWDCHAT_Q8_ACT)
+  amx_wanted.store(on);
+#endif
+  return before;
 }
 
 bool q4_dot_layout() {
@@ -563,6 +715,8 @@ TORCH_LIBRARY_FRAGMENT(crowdchat, m) {
   m.def("int8_dot(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   // whether this build has the int8-activation 4-bit kernel (AVX512-VNNI)
   m.def("q8_activations() -> bool", &crowdchat::q8_activations);
+  m.def("amx_tiles() -> bool", &crowdchat::amx_tiles);
+  m.def("set_amx(bool on) -> bool", &crowdchat::set_amx);
 }
 
 TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
