@@ -83,6 +83,22 @@ def test_min_tokens_masks_stop_ids_on_float32_inference_logits() -> None:
     assert sample(logits, seqs, stop_ids=[3]) == [0, 3]
 
 
+def test_sampling_leaves_the_models_logits_as_they_were() -> None:
+    """The sampler works on its own copy (masks, penalties and temperatures in place there):
+    the logits it was given, inference tensors or not, bfloat16 or float32, are unchanged."""
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.inference_mode():
+            logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+        before = logits.clone()
+        seqs = [
+            Sequence([1, 5], SamplingParams(temperature=0.7, min_new_tokens=2, seed=1)),
+            Sequence([1, 5], SamplingParams(temperature=0.9, repetition_penalty=1.3, seed=2)),
+            Sequence([1, 5], SamplingParams(temperature=0, presence_penalty=0.5)),
+        ]
+        sample(logits, seqs, stop_ids=[3])
+        assert torch.equal(logits, before)
+
+
 def penalized_reference(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     """vLLM's `apply_penalties`, written out token by token."""
     p, row = seq.params, logits.clone()

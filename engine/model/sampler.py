@@ -154,18 +154,20 @@ def _nucleus_pick(
 def sample_tensor(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int]) -> torch.Tensor:
     """Next token per row of `logits` ([N, V], one row per sequence) as an int64 tensor on the
     logits' device; each sampled sequence's draw counter advances."""
-    logits = logits.float()
+    # one float32 copy, changed in place below (the logits may be an inference-mode tensor):
+    # each out-of-place step was another pass over N x V floats (~0.3 ms at 32 x 49,152)
+    logits = logits.to(torch.float32, copy=True)
     dev, n = logits.device, len(seqs)
     early = [i for i, s in enumerate(seqs) if s.num_generated < s.params.min_new_tokens]
-    if early and stop_ids:  # out of place: the logits may be an inference-mode tensor
+    if early and stop_ids:
         rows = _to(dev, early, torch.int64)[:, None]
         cols = _to(dev, stop_ids, torch.int64)[None, :]
-        logits = logits.index_put((rows, cols), torch.full((), float("-inf"), device=dev))
+        logits.index_put_((rows, cols), torch.full((), float("-inf"), device=dev))
     penalized = [i for i, s in enumerate(seqs) if s.params.penalized]
     if penalized:
         which = _to(dev, penalized, torch.int64)
         rows = penalize(logits.index_select(0, which), [seqs[i] for i in penalized])
-        logits = logits.index_put((which,), rows)
+        logits.index_put_((which,), rows)
     sampled = [i for i, s in enumerate(seqs) if s.params.temperature >= GREEDY_BELOW]
     if not sampled:
         return logits.argmax(-1)
@@ -180,7 +182,7 @@ def sample_tensor(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int
         s.draws += 1
     temps = _to(dev, [s.params.temperature for s in picked], logits.dtype)[:, None]
     at = _to(dev, sampled, torch.int64)
-    rows = logits / temps if len(sampled) == n else logits.index_select(0, at).div_(temps)
+    rows = (logits if len(sampled) == n else logits.index_select(0, at)).div_(temps)
     plain = [j for j, s in enumerate(picked) if not s.params.top_k and s.params.top_p >= 1]
     filtered = sorted(set(range(len(picked))) - set(plain))
     picks = torch.empty(len(picked), dtype=torch.int64, device=dev)
