@@ -107,10 +107,11 @@ def q4_values(lin: Int4Linear) -> tuple[torch.Tensor, ...]:
     blocks, groups = lin.packed.shape[:2]
     so = lin.scales_zeros.view(blocks, groups, 2, 16).permute(2, 0, 3, 1).double()
     scale, offset = so[0].reshape(-1, groups), so[1].reshape(-1, groups)  # [N, K/32]
-    # the nibbles back from pack_for_dot's layout: per 4 values of K, byte i of column i // 2
-    b = lin.packed.view(blocks, groups, 8, 16, 2).long()  # block, group, t, column, i % 2
-    qw = torch.stack([b & 15, b >> 4], 4)  # ..., half, i % 2: K = 4t + 2 half + i % 2
-    qw = qw.permute(0, 3, 1, 2, 4, 5).reshape(blocks * 16, groups, g).double()
+    # the nibbles back from pack_for_dot's q8 layout: per group 4 x 64 bytes, byte 4c + j
+    # of the p-th column c's q[8p + j] (low nibble) and q[8p + 4 + j] (high)
+    b = lin.packed.view(blocks, groups, 4, 16, 4).long()  # block, group, p, column, j
+    qw = torch.stack([b & 15, b >> 4], 3)  # block, group, p, half, column, j
+    qw = qw.permute(0, 4, 1, 2, 3, 5).reshape(blocks * 16, groups, g).double()
     return qw, scale, offset
 
 

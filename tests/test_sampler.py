@@ -95,8 +95,12 @@ def test_sampling_leaves_the_models_logits_as_they_were() -> None:
             Sequence([1, 5], SamplingParams(temperature=0.9, repetition_penalty=1.3, seed=2)),
             Sequence([1, 5], SamplingParams(temperature=0, presence_penalty=0.5)),
         ]
-        sample(logits, seqs, stop_ids=[3])
+        picks = sample(logits, seqs, stop_ids=[3])
         assert torch.equal(logits, before)
+        for s in seqs:  # the same draws again, on logits given up (worked on in place)
+            s.draws = 0
+        with torch.inference_mode():
+            assert sample(logits.clone(), seqs, stop_ids=[3], owned=True) == picks
 
 
 def penalized_reference(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:

@@ -24,6 +24,8 @@
   `vpmaddubsw` + `vpmaddwd` over a layout of its own (`csrc/q8_avx2.cpp`, also the output
   projection's int8 weights), 2x faster than the float32 kernel at one row and 1.6x faster than
   FBGEMM's float16 copy at 32 (bench/step_profile.py), so no dense copy is kept there either.
+  On AMX (Sapphire Rapids and later Xeons) the integer sums of 10 rows and more come from
+  tiles (`tdpbsud`), bitwise the same; `CROWDCHAT_KERNEL_AMX=0` keeps them on `vpdpbusd`.
 - `rope_store` (`csrc/rope_store.cpp`) and `rms_norm` (`csrc/rms_norm.cpp`): the glue of a
   decode step (engine.model.lean_llama `_decodes`, engine.model.lean_norm), one call each where
   Python made

@@ -211,11 +211,19 @@ def pack_for_dot(
     [K/32, N, 2]): columns in blocks of 16; per 4 values of K 32 bytes, byte i for column
     i // 2, its low nibble K = 4t + i % 2, its high one 4t + 2 + i % 2 (the bfloat16 pairs
     `vdpbf16ps` multiplies); scales, then zeros, of a block's 16 columns side by side. With
-    `q8` (the int8-activation kernel) float32 scales, then offsets `zero - 8 scale` (exact)."""
+    `q8` (the int8-activation kernel) the layout `vpdpbusd` unpacks in two instructions: per
+    group 4 x 64 bytes, byte 4c + j of the p-th holding column c's q[8p + j] (low nibble) and
+    q[8p + 4 + j] (high nibble); float32 scales, then offsets `zero - 8 scale` (exact)."""
     n, k = q.shape
-    quads = q.to(torch.uint8).view(n // 16, 16, k // 4, 2, 2)  # block, column, t, half, i % 2
-    byte = quads[..., 0, :] | (quads[..., 1, :] << 4)
-    packed = byte.permute(0, 2, 1, 3).reshape(n // 16, k // GROUP_SIZE, 256)
+    q = q.to(torch.uint8)
+    if q8:  # block, group, pair p, half, column, j: K = 32 group + 8 p + 4 half + j
+        u = q.view(n // 16, 16, k // GROUP_SIZE, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+        byte = u[:, :, :, 0] | (u[:, :, :, 1] << 4)
+        packed = byte.reshape(n // 16, k // GROUP_SIZE, 256)
+    else:
+        quads = q.view(n // 16, 16, k // 4, 2, 2)  # block, column, t, half, i % 2
+        byte = quads[..., 0, :] | (quads[..., 1, :] << 4)
+        packed = byte.permute(0, 2, 1, 3).reshape(n // 16, k // GROUP_SIZE, 256)
     s = sz.view(k // GROUP_SIZE, n // 16, 16, 2).permute(1, 0, 3, 2)
     if q8:
         s = s.float()

@@ -207,7 +207,8 @@ class ModelRunner:
         sampled = plan.decodes + [s for s, n in plan.prefills if s.num_computed + n == s.num_tokens]
         if not sampled:
             return {}
-        return dict(zip(sampled, sample(logits, sampled, self.stop_ids), strict=True))
+        picks = sample(logits, sampled, self.stop_ids, owned=True)  # the step's own logits
+        return dict(zip(sampled, picks, strict=True))
 
     def _use_threads(self, rows: int) -> None:
         """One OpenMP thread for a step of up to `SERIAL_ROWS` rows, else as many as the engine

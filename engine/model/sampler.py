@@ -151,12 +151,15 @@ def _nucleus_pick(
     return idx.gather(1, _pick(probs, u)[:, None])[:, 0]
 
 
-def sample_tensor(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int]) -> torch.Tensor:
+def sample_tensor(
+    logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int], owned: bool = False
+) -> torch.Tensor:
     """Next token per row of `logits` ([N, V], one row per sequence) as an int64 tensor on the
-    logits' device; each sampled sequence's draw counter advances."""
-    # one float32 copy, changed in place below (the logits may be an inference-mode tensor):
-    # each out-of-place step was another pass over N x V floats (~0.3 ms at 32 x 49,152)
-    logits = logits.to(torch.float32, copy=True)
+    logits' device; each sampled sequence's draw counter advances. `owned`: the caller gives
+    the logits up (the runner's step), so float32 ones are worked on in place, not copied."""
+    # one float32 tensor of our own, changed in place below: each out-of-place step was
+    # another pass over N x V floats (~0.3 ms at 32 x 49,152)
+    logits = logits.to(torch.float32, copy=not owned)
     dev, n = logits.device, len(seqs)
     early = [i for i, s in enumerate(seqs) if s.num_generated < s.params.min_new_tokens]
     if early and stop_ids:
@@ -198,7 +201,9 @@ def sample_tensor(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int
     return out.index_copy_(0, at, picks)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int]) -> list[int]:
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence], stop_ids: list[int], owned: bool = False
+) -> list[int]:
     """Next token per row of `logits` ([N, V]), one row per sequence, in order: the step's
-    one read back from the device."""
-    return sample_tensor(logits, seqs, stop_ids).tolist()
+    one read back from the device (`owned` as `sample_tensor` takes it)."""
+    return sample_tensor(logits, seqs, stop_ids, owned).tolist()

@@ -446,24 +446,24 @@ void tile_groups(const uint8_t* w, const int8_t* xq, int64_t k, int64_t groups, 
 bool amx_on() { return false; }
 #endif
 
-// One block's 4-bit groups as `vpdpbusd` takes them, into `w` (8 vectors a group): per 4
-// values of K, 32 bytes: byte 2c of column c holds q[4t] (low nibble) and q[4t + 2], byte
-// 2c + 1 q[4t + 1] and q[4t + 3]; as a 32-bit lane: bytes q[4t .. 4t + 3] in order. Unpacked
-// once per block and chunk of rows, then read from L1 by every kDotRows rows (unpacking per
-// tile was ~40% of the instructions at 32 rows)
+// One block's 4-bit groups as `vpdpbusd` (and an AMX tile) takes them, into `w` (8 vectors
+// a group): vector t holds the 16 columns' q[4t .. 4t + 3], a 32-bit lane each. Their layout
+// (engine/model/cpu_quant.py `pack_for_dot(..., q8=True)`): per group 4 x 64 bytes, byte i of
+// the p-th holding byte i of vector 2p in its low nibble and of vector 2p + 1 in its high
+// one, so a vector is one mask, or one shift and one mask (with the bfloat16 kernel's layout
+// it took 6 instructions, unpacking was ~1/3 of a 16-row AMX matmul). Unpacked once per block
+// and chunk of rows, then read from L1 by every tile, or in registers for a few rows.
 void unpack_q8(const uint8_t* pw, int64_t groups, __m512i* w) {
-  const __m512i nibbles = _mm512_set1_epi32(0x0f0f);
-  for (int64_t i = 0; i < groups * 8; ++i) {
-    const __m512i word =
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + i * 32)));
-    const __m512i lo = _mm512_and_si512(word, nibbles);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(word, 4), nibbles);
-    w[i] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t i = 0; i < groups * 4; ++i) {
+    const __m512i b = _mm512_loadu_si512(pw + i * 64);
+    w[2 * i] = _mm512_and_si512(b, low);
+    w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
   }
 }
 
-// R rows of int8 x through one block of 16 output columns (`pw`, the `dot_block` layout; its
-// groups unpacked by `unpack_q8` into `wu` but for kRegisters): each group's 4-bit weights as
+// R rows of int8 x through one block of 16 output columns (`pw`, `unpack_q8`'s layout; its
+// groups unpacked into `wu` but for kRegisters): each group's 4-bit weights as
 // unsigned bytes, 4 values of K a lane, and `vpdpbusd` multiplies them with 4 int8 values of
 // x into int32 sums, 64 products an instruction (twice `vdpbf16ps`'s 32, at the same rate on
 // Zen 4/5): y = sum over groups of d (scale * sum(q x) + (zero - 8 scale) * sum(x)), the
