@@ -76,8 +76,8 @@ def _padded(device: torch.device, lists: list[list[int]], pad: int) -> torch.Ten
 def penalize(rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """`rows` ([N, V] logits, one per sequence) with the sequences' penalties, as vLLM applies
     them: repetition over the prompt and the output, then frequency and presence over the
-    output. Out of place (the logits may be inference tensors); each penalty touches only the
-    tokens it concerns (a gather and a scatter), not the whole vocabulary."""
+    output. Out of place (on a copy with a column for the id lists' padding); each penalty
+    touches only the tokens it concerns (a gather and a scatter), not the whole vocabulary."""
     n, v = rows.shape
     dev = rows.device
     rep, freq, pres = (

@@ -300,6 +300,10 @@ at::Tensor int8_dot(const at::Tensor& x, const at::Tensor& packed, const at::Ten
 #if defined(__AVX512VNNI__)
 #define CROWDCHAT_Q8_ACT 1
 
+constexpr int kTileRows = 16;        // rows of x in an AMX tile
+constexpr int64_t kTileMinRows = 10;  // fewer rows: `vpdpbusd` (at 8, AMX was 0.9-1.0x)
+std::atomic<bool> amx_wanted{true};  // `set_amx`
+
 // x's rows in int8, as llama.cpp quantizes activations for its 4-bit weights (Q8_1): per
 // group of 32 values a scale d = max|x| / 127, q = round(x / d) (to nearest even), the group's
 // sum of q, and d times it (the zeros' term)
@@ -309,9 +313,10 @@ struct Int8Rows {
   std::vector<int32_t> qsum;
 };
 
-// (`pad`: q has zero rows after the last up to a multiple of that many rows, for whole AMX tiles)
-Int8Rows int8_rows(const at::Tensor& x, int64_t pad = 1) {
+// (`tiles`: q has zero rows after the last up to a multiple of kTileRows, for whole AMX tiles)
+Int8Rows int8_rows(const at::Tensor& x, bool tiles) {
   const int64_t m = x.size(0), k = x.size(1), groups = m * (k / kGroup);
+  const int64_t pad = tiles ? kTileRows : 1;
   const auto xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
   Int8Rows rows{std::vector<int8_t>((m + pad - 1) / pad * pad * k), std::vector<float>(groups),
@@ -354,10 +359,6 @@ inline void group_sums(const __m512i (&w)[8], const int8_t* xq, int64_t k, __m51
 // Where the integer sums come from: `vpdpbusd` on the group's weights unpacked in registers
 // (a few rows), on weights unpacked before into L1 (many rows), or AMX tiles
 enum class Sums { kRegisters, kCached, kTiles };
-
-constexpr int kTileRows = 16;        // rows of x in an AMX tile
-constexpr int64_t kTileMinRows = 10;  // fewer rows: `vpdpbusd` (at 8, AMX was 0.9-1.0x)
-std::atomic<bool> amx_wanted{true};  // `set_amx`
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define CROWDCHAT_AMX 1
@@ -446,6 +447,20 @@ void tile_groups(const uint8_t* w, const int8_t* xq, int64_t k, int64_t groups, 
 bool amx_on() { return false; }
 #endif
 
+// whether a matmul of m rows takes AMX tiles
+bool use_tiles(int64_t m) { return m >= kTileMinRows && amx_on(); }
+
+// The int8-activation kernels' loop (over_blocks): tiles of kTileRows rows inside each
+// thread's tile configuration where `tiles`, else of kDotRows rows
+template <typename Tile, typename Start = NoStart>
+void over_blocks_q8(bool tiles, int64_t m, int64_t blocks, int64_t work, const Tile& tile,
+                    const Start& start = Start{}) {
+#ifdef CROWDCHAT_AMX
+  if (tiles) return over_blocks<kTileRows>(m, blocks, kDotChunk, work, tile, start, Tiles{});
+#endif
+  over_blocks<kDotRows>(m, blocks, kDotChunk, work, tile, start);
+}
+
 // One block's 4-bit groups as `vpdpbusd` (and an AMX tile) takes them, into `w` (8 vectors
 // a group): vector t holds the 16 columns' q[4t .. 4t + 3], a 32-bit lane each. Their layout
 // (engine/model/cpu_quant.py `pack_for_dot(..., q8=True)`): per group 4 x 64 bytes, byte i of
@@ -482,21 +497,22 @@ void dot_block_q8(const uint8_t* pw, const __m512i* wu, const float* pso, const 
       acc[r] = _mm512_fmadd_ps(scale, sum, _mm512_fmadd_ps(offset, _mm512_set1_ps(xds[i]), acc[r]));
     }
   };
+  if constexpr (How == Sums::kTiles) {  // (only where built for AMX: `use_tiles`)
 #ifdef CROWDCHAT_AMX
-  if constexpr (How == Sums::kTiles) {
     tile_groups(reinterpret_cast<const uint8_t*>(wu), xq, k, groups, add);
-  }
 #endif
-  for (int64_t g = 0; How != Sums::kTiles && g < groups; ++g) {
-    __m512i w[8];
-    if constexpr (How == Sums::kCached) {  // unpacked before, for many rows
-      for (int t = 0; t < 8; ++t) w[t] = _mm512_load_si512(wu + g * 8 + t);
-    } else {  // a few rows: unpacked here, in registers
-      unpack_q8(pw + g * 256, 1, w);
+  } else {
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i w[8];
+      if constexpr (How == Sums::kCached) {  // unpacked before, for many rows
+        for (int t = 0; t < 8; ++t) w[t] = _mm512_load_si512(wu + g * 8 + t);
+      } else {  // a few rows: unpacked here, in registers
+        unpack_q8(pw + g * 256, 1, w);
+      }
+      __m512i s[R];
+      group_sums<R>(w, xq + g * kGroup, k, s);
+      add(g, [&s](int r) { return s[r]; });
     }
-    __m512i s[R];
-    group_sums<R>(w, xq + g * kGroup, k, s);
-    add(g, [&s](int r) { return s[r]; });
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, rounded(acc[r]));
 }
@@ -511,8 +527,8 @@ at::Tensor q4_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int64_t n = blocks * 16;
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  const bool tiles = amx_on() && m >= kTileMinRows;
-  const Int8Rows xr = int8_rows(x, tiles ? kTileRows : 1);
+  const bool tiles = use_tiles(m);
+  const Int8Rows xr = int8_rows(x, tiles);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = so.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -536,13 +552,7 @@ at::Tensor q4_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::Te
       unpack_q8(pp + b * groups * 256, groups, wu.data());
     }
   };
-#ifdef CROWDCHAT_AMX
-  if (tiles) {
-    over_blocks<kTileRows>(m, blocks, kDotChunk, m * n * k, tile, unpack, Tiles{});
-    return y;
-  }
-#endif
-  over_blocks<kDotRows>(m, blocks, kDotChunk, m * n * k, tile, unpack);
+  over_blocks_q8(tiles, m, blocks, m * n * k, tile, unpack);
   return y;
 }
 
@@ -562,15 +572,18 @@ void int8_block_q8(const uint8_t* pw, const float* scales, const int8_t* xq, con
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(xd[i]), acc[r]);
     }
   };
+  if constexpr (How == Sums::kTiles) {  // the weights are in the tiles' layout
 #ifdef CROWDCHAT_AMX
-  if constexpr (How == Sums::kTiles) tile_groups(pw, xq, k, groups, add);  // the tiles' layout
+    tile_groups(pw, xq, k, groups, add);
 #endif
-  for (int64_t g = 0; How != Sums::kTiles && g < groups; ++g) {
-    __m512i w[8];
-    for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(pw + (g * 8 + t) * 64);
-    __m512i s[R];
-    group_sums<R>(w, xq + g * kGroup, k, s);
-    add(g, [&s](int r) { return s[r]; });
+  } else {
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512i w[8];
+      for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(pw + (g * 8 + t) * 64);
+      __m512i s[R];
+      group_sums<R>(w, xq + g * kGroup, k, s);
+      add(g, [&s](int r) { return s[r]; });
+    }
   }
   const __m512 scale = _mm512_loadu_ps(scales);
   for (int r = 0; r < R; ++r)
@@ -583,8 +596,8 @@ at::Tensor int8_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::
               " columns, the weights ", 4 * packed.size(1), " (a multiple of 32)");
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  const bool tiles = amx_on() && m >= kTileMinRows;
-  const Int8Rows xr = int8_rows(x, tiles ? kTileRows : 1);
+  const bool tiles = use_tiles(m);
+  const Int8Rows xr = int8_rows(x, tiles);
   const int64_t groups = k / kGroup;
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
@@ -595,13 +608,7 @@ at::Tensor int8_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::
     f(pp + b * k * 16, sp + b * 16, xr.q.data() + r0 * k, xr.d.data() + r0 * groups,
       xr.qsum.data() + r0 * groups, k, groups, yp + r0 * n + b * 16, n);
   };
-#ifdef CROWDCHAT_AMX
-  if (tiles) {
-    over_blocks<kTileRows>(m, blocks, kDotChunk, m * n * k, tile, NoStart{}, Tiles{});
-    return y;
-  }
-#endif
-  over_blocks<kDotRows>(m, blocks, kDotChunk, m * n * k, tile);
+  over_blocks_q8(tiles, m, blocks, m * n * k, tile);
   return y;
 }
 #endif  // __AVX512VNNI__
