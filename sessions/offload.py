@@ -92,8 +92,9 @@ class KVOffloader(SnapshotWriter):
             kv = self.engine.export_kv(sid)
             if kv is None or not self._write(sid, kv):
                 return False
-            self.engine.drop_kv(sid)
+            # recorded before the blocks go: whoever sees the pool without it reads 'persisted'
             self.on_state(sid, SessionState.PERSISTED)
+            self.engine.drop_kv(sid)
         return True
 
     def evict(self, short: int, protected: str | None, busy: Callable[[str], bool]) -> None:

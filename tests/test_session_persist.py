@@ -144,7 +144,18 @@ def engine_bytes(loaded: LoadedModel) -> int:
 
 
 def test_idle_sessions_are_persisted_by_the_sweeper(nf4_model: LoadedModel, tmp_path: Path) -> None:
+    """The sweeper writes an idle session's KV out and frees its blocks; once they are free
+    the session reads 'persisted' (recorded before the blocks go, not after: a reader who saw
+    the pool without it could read 'resident')."""
     engine, sm = make_sessions(nf4_model, tmp_path, idle_seconds=0.3, sweep_interval_s=0.1)
+    states_at_drop: list[str] = []
+    drop_kv = engine.drop_kv
+
+    def drop_recording_state(sid: str) -> object:
+        states_at_drop.append(sm.get_session("u", sid)["state"])
+        return drop_kv(sid)
+
+    engine.drop_kv = drop_recording_state  # type: ignore[method-assign]
     try:
         s = sm.create_session("u")
         sm.chat("u", s["id"], Q1, GREEDY).result()
@@ -152,6 +163,7 @@ def test_idle_sessions_are_persisted_by_the_sweeper(nf4_model: LoadedModel, tmp_
         while s["id"] in engine.resident_kv() and time.time() < deadline:
             time.sleep(0.1)
         assert s["id"] not in engine.resident_kv()
+        assert states_at_drop == ["persisted"]
         assert sm.get_session("u", s["id"])["state"] == "persisted"
         assert sm.files.path(s["id"]).is_file()
         assert sm.chat("u", s["id"], Q2, GREEDY).result()
