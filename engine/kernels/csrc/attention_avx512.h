@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <limits>
+#include <type_traits>
 
 namespace crowdchat_attention {
 
@@ -133,22 +134,77 @@ void attend_chunk_avx512(const float* __restrict q, const T* __restrict kh,
     pg[0] = m, pg[1] = _mm512_reduce_add_ps(lv);
     std::fill_n(pg + 2, DIM, 0.f);
   }
+  // values: each head's sums stay in registers over a block, kHeads heads at a time, the rows
+  // outer (one V row feeds all of them: independent FMA chains in flight, where one head's
+  // rows were one chain per vector). Few heads (a decode's G): V rows widened in registers,
+  // never stored; many (a prefill tile's): widened once into `buf` for all the groups. Each
+  // head's sum runs over the rows in order, as before: the same values, bitwise.
+  constexpr int kHeads = DIM == 64 ? 4 : 2;
+  const bool in_regs = G <= kHeads;
   for (int64_t t = 0; t < n;) {
-    const int64_t rows = widen_block(vh, nullptr, t);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* w = scores + g * kChunk + t;
-      float* acc = part + g * stride + 2;
-      const int64_t used = std::min(rows, valid_keys(limit, g, t0, n) - t);
-      if (used <= 0) continue;
-      __m512 a[NV];
-      for (int j = 0; j < NV; ++j) a[j] = _mm512_loadu_ps(acc + 16 * j);
-      for (int64_t r = 0; r < used; ++r) {
-        const __m512 wr = _mm512_set1_ps(w[r]);
-        for (int j = 0; j < NV; ++j)
-          a[j] = _mm512_fmadd_ps(wr, _mm512_loadu_ps(buf + r * DIM + 16 * j), a[j]);
+    const int64_t rows = at.rows(t);
+    const T* src = at.row(vh, t);
+    const char* pf = in_regs ? at.ahead(vh, nullptr, t) : nullptr;
+    if (!in_regs) widen_block(vh, nullptr, t);
+    const auto row = [&](int64_t r, __m512* v) {
+      if (in_regs) {
+        at.prefetch_row(pf, r);
+        for (int j = 0; j < NV; ++j) v[j] = widen16(src + r * DIM + 16 * j);
+      } else {
+        for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_ps(buf + r * DIM + 16 * j);
       }
-      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + 16 * j, a[j]);
+    };
+    int64_t r_done = 0;
+    for (int64_t g0 = 0; g0 < G; g0 += kHeads) {
+      const int64_t gn = std::min<int64_t>(kHeads, G - g0);
+      int64_t all = rows;  // rows every head of the group uses (all of them, but in a prefill)
+      for (int64_t g = 0; g < gn; ++g)
+        all = std::min(all, valid_keys(limit, g0 + g, t0, n) - t);
+      all = std::max<int64_t>(all, 0);
+      r_done = std::max(r_done, all);
+      const auto heads = [&](auto count) {  // the group's rows below `all`, `count` heads
+        constexpr int GN = decltype(count)::value;
+        __m512 a[GN][NV];
+        for (int g = 0; g < GN; ++g)
+          for (int j = 0; j < NV; ++j)
+            a[g][j] = _mm512_loadu_ps(part + (g0 + g) * stride + 2 + 16 * j);
+        for (int64_t r = 0; r < all; ++r) {
+          __m512 v[NV];
+          row(r, v);
+#pragma GCC unroll 4
+          for (int g = 0; g < GN; ++g) {
+            const __m512 wr = _mm512_set1_ps(scores[(g0 + g) * kChunk + t + r]);
+#pragma GCC unroll 8
+            for (int j = 0; j < NV; ++j) a[g][j] = _mm512_fmadd_ps(wr, v[j], a[g][j]);
+          }
+        }
+        for (int g = 0; g < GN; ++g)
+          for (int j = 0; j < NV; ++j)
+            _mm512_storeu_ps(part + (g0 + g) * stride + 2 + 16 * j, a[g][j]);
+      };
+      switch (gn) {
+        case 1: heads(std::integral_constant<int, 1>{}); break;
+        case 2: heads(std::integral_constant<int, 2>{}); break;
+        case 3: if constexpr (kHeads >= 3) heads(std::integral_constant<int, 3>{}); break;
+        default: if constexpr (kHeads >= 4) heads(std::integral_constant<int, 4>{}); break;
+      }
+      // a prefill's heads whose causal limit lies past `all`: their further rows one by one
+      for (int64_t g = g0; g < g0 + gn; ++g) {
+        const int64_t used = std::min(rows, valid_keys(limit, g, t0, n) - t);
+        float* acc = part + g * stride + 2;
+        for (int64_t r = all; r < used; ++r) {
+          __m512 v[NV];
+          row(r, v);
+          const __m512 wr = _mm512_set1_ps(scores[g * kChunk + t + r]);
+          for (int j = 0; j < NV; ++j)
+            _mm512_storeu_ps(acc + 16 * j,
+                             _mm512_fmadd_ps(wr, v[j], _mm512_loadu_ps(acc + 16 * j)));
+        }
+        r_done = std::max(r_done, used);
+      }
     }
+    // the block ahead's rows past those read here (a prefill's causal limit) prefetched too
+    for (int64_t r = r_done; in_regs && r < rows; ++r) at.prefetch_row(pf, r);
     t += rows;
   }
 }
