@@ -90,6 +90,7 @@ def test_an_environment_variable_overrides_a_default_and_a_flag_overrides_both(
         (EngineConfig, {"quant": "fp3"}, "--quant must be one of"),
         (EngineConfig, {"block_size": 12}, "--block-size must be"),
         (EngineConfig, {"cpu_dense_above": -1}, "--cpu-dense-above must be >= 0"),
+        (EngineConfig, {"cpu_bf16_above": -1}, "--cpu-bf16-above must be >= 0"),
         (SessionConfig, {"max_tokens_per_turn": 0}, "--max-tokens-per-turn must be >= 1"),
         (SessionConfig, {"tokens_per_minute": -1}, "--tokens-per-minute must be >= 0"),
     ],

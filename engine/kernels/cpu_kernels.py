@@ -26,6 +26,8 @@
   FBGEMM's float16 copy at 32 (bench/step_profile.py), so no dense copy is kept there either.
   On AMX (Sapphire Rapids and later Xeons) the integer sums of 10 rows and more come from
   tiles (`tdpbsud`), bitwise the same; `CROWDCHAT_KERNEL_AMX=0` keeps them on `vpdpbusd`.
+  `q4_dequant_bf16_` (`csrc/q4_dequant.cpp`) widens that layout's weights back to bfloat16 for
+  steps of many rows on oneDNN's bf16 GEMM where AMX is there (engine.model.bf16_gemm).
 - `rope_store` (`csrc/rope_store.cpp`) and `rms_norm` (`csrc/rms_norm.cpp`): the glue of a
   decode step (engine.model.lean_llama `_decodes`, engine.model.lean_norm), one call each where
   Python made

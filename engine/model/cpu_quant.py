@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu_kernels
+from engine.model import bf16_gemm
 
 # GGUF's Q4_1 block: a Q4_1 model requantizes without loss (greedy replies equal float32's on
 # the embedded model). 64 was tried for speed and broke the model ("1.1.1.1..." for "count
@@ -172,8 +173,12 @@ class Int4Linear(QuantLinear):
         self.group_size = g
         self.own = own
         self.q8 = False
+        # rows above which a call runs on the bf16 GEMM (engine.model.bf16_gemm; 0: never),
+        # set by quantize_model for the AVX-512 int8-activation layout (`widens`)
+        self.bf16_rows = 0
+        self.widens = False
         if own and n % 16 == 0 and cpu_kernels.q4_dot_layout():
-            self.q8 = q8 and cpu_kernels.q8_activations()
+            self.q8 = self.widens = q8 and cpu_kernels.q8_activations()
             # the AVX512-BF16 kernel's layout (float32 scales: its int8-activation variant)
             packed, sz = pack_for_dot(q, sz, self.q8)
             self.register_buffer("packed", packed, persistent=False)
@@ -195,6 +200,8 @@ class Int4Linear(QuantLinear):
             self.register_buffer("scales_and_zeros", sz, persistent=False)  # [K/32, N, 2]
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16_rows and x.shape[0] > self.bf16_rows:
+            return bf16_gemm.matmul(x, self.packed, self.scales_zeros)
         if self.own:  # float32 in and out, rounded to bf16 inside
             return torch.ops.crowdchat.q4_linear(x, self.packed, self.scales_zeros)
         # torch's binding: ~4 us less a call than ops.aten

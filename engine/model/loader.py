@@ -190,6 +190,7 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
                 config.cpu_dense_above,
                 config.cpu_activations,
                 startup.progress,
+                config.cpu_bf16_above,
             )
     mc = model.config
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads

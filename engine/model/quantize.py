@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.kernels import cpu_kernels
-from engine.model import cpu_quant
+from engine.model import bf16_gemm, cpu_quant
 from engine.model.cpu_quant import (
     GROUP_SIZE,
     DenseCopy,
@@ -36,11 +36,13 @@ def quantize_model(
     dense_rows: int | None,
     activations: str = "auto",
     progress: Callable[[float], None] | None = None,
+    bf16_above: int | None = None,
 ) -> str:
     """Replace the decoder's linears (int4 or int8 per `quant`) and the output projection
     (int8, or float16 beside float16 dense copies) in place; `activations` as
     `--cpu-activations`; `progress(fraction)` of the weights done, as it goes. Returns the
-    kernels' name for the KV fingerprint and the admin page."""
+    kernels' name for the KV fingerprint and the admin page. `bf16_above`: as
+    `--cpu-bf16-above` (engine.model.bf16_gemm)."""
     dense = cpu_quant.dense_kind(model.dtype, dense_rows)
     # crowdchat's 4-bit kernel where compute is float32 (PyTorch's is fast on native bf16)
     own = quant == "nf4" and model.dtype == torch.float32 and cpu_kernels.q4_linear() is not None
@@ -65,8 +67,12 @@ def quantize_model(
         if progress is not None:
             progress(min(done / total, 1.0))
 
+    wide = bf16_gemm.rows_above(bf16_above) if dot and q8 else 0
+
     def make(w: torch.Tensor, d: DenseKind | None) -> QuantLinear:
         linear = Int4Linear(w, None if dot else d, own, q8) if quant == "nf4" else Int8Linear(w, d)
+        if isinstance(linear, Int4Linear) and linear.widens:
+            linear.bf16_rows = wide
         tick(w.numel())
         return linear
 
@@ -121,6 +127,7 @@ def quantize_model(
     if quant == "nf4":
         name = f"{'crowdchat' if own else 'torch'}{'-dot' if dot_layout else ''}-int4g{GROUP_SIZE}"
         name += "-q8" if q8 else ""
+        name += f"-bf16>{wide}" if wide else ""  # many-row steps' activations in bf16
     return name + "+fp16" if dense is not None and dense.fp16 and not dot else name
 
 
