@@ -106,3 +106,24 @@ def test_kv_read_file_refuses_a_token_count_past_any_file_before_it_allocates(
         assert read(str(path), 0, flat, one, 1, 0, 12345) == 12345
     assert len(os.listdir("/proc/self/fd")) == fds
     assert not pool.any()
+
+
+def test_crc32_bytes_is_zlibs_crc32_at_every_length_offset_and_start(kernel) -> None:
+    """The folded CRC-32 (PCLMULQDQ past 64 bytes, tables for the rest) against zlib.crc32:
+    seeded random lengths around the 16- and 64-byte edges and long ones, unaligned starts,
+    any CRC to continue from; a non-contiguous tensor and a bad CRC are refused."""
+    gen = torch.Generator().manual_seed(1)
+    data = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=gen)
+    edges = [0, 1, 15, 16, 17, 63, 64, 65, 79, 80, 127, 128, 129, 1000, 40000]
+    lengths = edges + torch.randint(0, 1 << 15, (200,), generator=gen).tolist()
+    for i, n in enumerate(lengths):
+        start = i % 61
+        crc = [0, 0xFFFFFFFF, int(torch.randint(0, 1 << 31, (1,), generator=gen)) * 2 + 1][i % 3]
+        chunk = data[start : start + n]
+        assert torch.ops.crowdchat.crc32_bytes(chunk, crc) == zlib.crc32(chunk.numpy(), crc)
+    wide = torch.randn(300, 7, generator=gen).to(torch.bfloat16)  # any dtype: its bytes
+    assert torch.ops.crowdchat.crc32_bytes(wide, 5) == zlib.crc32(wide.view(torch.uint8).numpy(), 5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.crowdchat.crc32_bytes(wide.t(), 0)
+    with pytest.raises(RuntimeError, match="crc: 0 to"):
+        torch.ops.crowdchat.crc32_bytes(wide, -1)

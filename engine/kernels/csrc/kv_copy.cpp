@@ -8,7 +8,6 @@
 // dtype. (The other way, a persist's index_select, measured 8 ms against 6.5: left to ATen.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <caffe2/serialize/crc_alt.h>  // PyTorch's own CRC-32 (zlib's polynomial), header only
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <torch/library.h>
@@ -18,6 +17,8 @@
 #include <cstring>
 #include <string>
 #include <vector>
+
+#include "crc32.h"
 
 namespace {
 
@@ -129,7 +130,7 @@ int64_t kv_read_file(const std::string& path, int64_t offset, at::Tensor pool,
       }
       got += n > 0 ? n : 0;
     }
-    c = crc32_fast(buf.data(), layer, c);
+    c = crc32(buf.data(), static_cast<size_t>(layer), c);
     for (int64_t t = skip; t < tokens; ++t)
       for (int64_t h = 0; h < H; ++h)
         std::memcpy(pp + ((l * H + h) * S + sp[t - skip]) * row, buf.data() + (t * H + h) * row,
@@ -138,9 +139,19 @@ int64_t kv_read_file(const std::string& path, int64_t offset, at::Tensor pool,
   return c;
 }
 
+// zlib.crc32 of a contiguous tensor's bytes, continued from `crc` (engine/kv_file.py
+// `kv_crc32`: a snapshot's checksum as it is written)
+int64_t crc32_bytes(const at::Tensor& data, int64_t crc) {
+  TORCH_CHECK(data.is_contiguous() && data.device().is_cpu(), "data: a contiguous CPU tensor");
+  TORCH_CHECK(crc >= 0 && crc <= 0xffffffffLL, "crc: 0 to 2**32 - 1");
+  const auto n = static_cast<size_t>(data.numel()) * data.element_size();
+  return n ? crc32(data.data_ptr(), n, static_cast<uint32_t>(crc)) : crc;
+}
+
 }  // namespace crowdchat
 
 TORCH_LIBRARY_FRAGMENT(crowdchat, m) {
+  m.def("crc32_bytes(Tensor data, int crc) -> int");
   m.def("kv_scatter(Tensor(a!) pool, Tensor kv, Tensor slots) -> ()");
   m.def(
       "kv_read_file(str path, int offset, Tensor(a!) pool, Tensor slots, int tokens, int skip, "
@@ -150,4 +161,5 @@ TORCH_LIBRARY_FRAGMENT(crowdchat, m) {
 TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
   m.impl("kv_scatter", &crowdchat::kv_scatter);
   m.impl("kv_read_file", &crowdchat::kv_read_file);
+  m.impl("crc32_bytes", &crowdchat::crc32_bytes);
 }
