@@ -87,6 +87,24 @@ def open_settings(page: Page) -> None:
     expect(page.locator("#system textarea")).to_be_visible(timeout=10_000)
 
 
+def fill_kept(page: Page, selector: str, text: str) -> None:
+    """Type `text` into the box at `selector` until it stays there: a box in an accordion
+    opened a moment ago may still be mounting, and its component then sets the value it was
+    created with over what was typed (seen in CI: the system prompt read "" 10 s after the
+    fill)."""
+    box = page.locator(selector)
+    for _ in range(3):
+        box.fill(text)
+        try:
+            expect(box).to_have_value(text, timeout=3_000)
+            page.wait_for_timeout(300)  # and still there after the component settled
+            expect(box).to_have_value(text, timeout=1_000)
+            return
+        except AssertionError:
+            continue
+    expect(box).to_have_value(text, timeout=1_000)
+
+
 def open_conversation(page: Page, title: str, shows: str) -> None:
     """Click a conversation in the list until the chat shows `shows`: the list re-renders when
     a new conversation gets its title, and a click on the item it replaces is lost (seen once

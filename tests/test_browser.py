@@ -11,6 +11,7 @@ from playwright.sync_api import Browser, expect
 from tests.browser_rig import (
     ARTIFACTS,
     assistant_text,
+    fill_kept,
     loaded,
     open_conversation,
     open_page,
@@ -61,10 +62,8 @@ def test_system_prompt_survives_a_reload_and_the_next_send(browser: Browser, ser
     open_settings(page)
     # the settings may still render as the page settles: the prompt must be in the box (and
     # the box left) before the send reads it (CI once sent an empty one)
-    system = page.locator("#system textarea")
-    system.fill("You are a pirate.")
-    expect(system).to_have_value("You are a pirate.", timeout=10_000)
-    system.press("Tab")
+    fill_kept(page, "#system textarea", "You are a pirate.")
+    page.locator("#system textarea").press("Tab")
     set_max_tokens(page, 16)  # a short reply on a slow CPU
     send(page, "Ahoy, who sails this ship?")
     row = session_titled(sm, "Ahoy, who sails", replies=1)
