@@ -5,10 +5,24 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
+from engine.kernels import cpu_kernels
 from engine.model.sampler import CANDIDATES, penalize, sample, uniforms
 from engine.sequence import SamplingParams, Sequence
+
+
+@pytest.fixture(params=["aten", "kernel"])
+def plain_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Temperature-only rows picked by ATen's ops or by crowdchat's CPU kernel
+    (csrc/sample.cpp), whichever the test runs with."""
+    if request.param == "kernel":
+        if not cpu_kernels.load():
+            pytest.skip("crowdchat's CPU kernels are not built here")
+    else:
+        monkeypatch.setattr(cpu_kernels, "loaded", lambda: False)
+    return request.param
 
 
 def sample_row(row: torch.Tensor, seq: Sequence) -> int:
@@ -43,7 +57,7 @@ def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return out
 
 
-def test_matches_the_reference_distribution() -> None:
+def test_matches_the_reference_distribution(plain_path: str) -> None:
     torch.manual_seed(0)
     logits = torch.randn(40) * 2
     for params in (
@@ -177,7 +191,7 @@ def test_uniforms_are_splitmix64_bit_for_bit() -> None:
     assert all(0 <= x < 1 for x in got) and len(set(got)) == len(got)
 
 
-def test_a_seeded_request_draws_the_same_tokens_alone_or_in_any_batch() -> None:
+def test_a_seeded_request_draws_the_same_tokens_alone_or_in_any_batch(plain_path: str) -> None:
     """Seeded random rows of every kind (greedy, temperature only, top-k, top-p, both,
     penalties, min-tokens) sampled together for several steps and each alone: the same
     tokens; rows, vocabulary sizes and parameters seeded at random."""
@@ -214,3 +228,31 @@ def test_unseeded_requests_draw_differently() -> None:
     logits = torch.zeros(1, 1000)
     picks = {sample(logits, [Sequence([1], SamplingParams())], stop_ids=[])[0] for _ in range(20)}
     assert len(picks) > 10
+
+
+def test_the_cpu_kernel_picks_the_float64_inverse_cdf() -> None:
+    """crowdchat::sample_rows_ against the exact inverse CDF in float64, at 200 uniforms a
+    row spread over [0, 1): the same token wherever u x total lies clear of a boundary (the
+    kernel's exp is within a few ulp of exp); -inf logits (min-tokens' stop ids) never drawn,
+    not even at u = 0 or just below 1; rows of every tail length; no rows."""
+    if not cpu_kernels.load():
+        pytest.skip("crowdchat's CPU kernels are not built here")
+    gen = torch.Generator().manual_seed(3)
+    for v in (1, 5, 16, 63, 64, 65, 1000, 49_152):
+        row = torch.randn(v, generator=gen, dtype=torch.float64) * 4
+        if v > 2:
+            row[torch.randperm(v, generator=gen)[: v // 3]] = float("-inf")
+        us = torch.cat([torch.tensor([0.0, 1 - 2**-53]), torch.rand(198, generator=gen).double()])
+        rows = row.float()[None].repeat(len(us), 1).contiguous()
+        got = torch.ops.crowdchat.sample_rows_(rows, us)
+        w = (row.float().double() - row.max()).exp()
+        cdf = w.cumsum(0)
+        at = us * cdf[-1]
+        want = torch.searchsorted(cdf, at[:, None], right=True)[:, 0].clamp(max=v - 1)
+        clear = (cdf[None, :] - at[:, None]).abs().amin(1) > 1e-5 * cdf[-1]
+        assert torch.equal(got[clear], want[clear]), v
+        assert bool((w[got] > 0).all()), v  # never a -inf logit
+    empty = torch.empty(0, 7)
+    assert torch.ops.crowdchat.sample_rows_(empty, torch.empty(0, dtype=torch.float64)).numel() == 0
+    with pytest.raises(RuntimeError, match="u: float64"):
+        torch.ops.crowdchat.sample_rows_(torch.zeros(2, 3), torch.zeros(2))

@@ -38,6 +38,8 @@
   `kv_read_file`, a disk restore's read of a snapshot straight into reserved blocks of the
   pool: a layer at a time read, checksummed (PyTorch's own CRC-32 header) and copied in one
   pass on the restore thread, the GIL released.
+- `sample_rows_` (`csrc/sample.cpp`): the draw of temperature-only rows (engine.model.sampler),
+  two passes a row where ATen took five over the whole step's logits.
 - `omp_threads` (`csrc/threads.cpp`): the calling thread's OpenMP team size, for the engine
   thread's few-row steps, which run on it alone (engine/model/runner.py `SERIAL_ROWS`).
 

@@ -22,6 +22,7 @@ import secrets
 
 import torch
 
+from engine.kernels import cpu_kernels
 from engine.sequence import Sequence
 
 GREEDY_BELOW = 1e-5  # tiny temperatures would overflow the logits: they mean greedy
@@ -104,6 +105,15 @@ def _pick(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = weights.cumsum_(-1)
     at = (u.to(cdf.dtype) * cdf[:, -1])[:, None]
     return torch.searchsorted(cdf, at, right=True)[:, 0].clamp(max=weights.shape[1] - 1)
+
+
+def _plain_picks(rows: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Picks for temperature-only rows (`rows` already divided, ours to overwrite): on the CPU
+    crowdchat's kernel where it is built (csrc/sample.cpp: two passes a row, the rows over the
+    cores, ~4x faster at 32 x 49,152), else max, exp and the running sums in ATen."""
+    if rows.is_cpu and rows.is_contiguous() and cpu_kernels.loaded():
+        return torch.ops.crowdchat.sample_rows_(rows, u)
+    return _pick(rows.sub_(rows.amax(-1, keepdim=True)).exp_(), u)
 
 
 def _filtered(rows: torch.Tensor, seqs: list[Sequence], u: torch.Tensor) -> torch.Tensor:
@@ -192,8 +202,7 @@ def sample_tensor(
     if plain:  # temperature only (the API's default): the whole vocabulary, no sort, in place
         j = _to(dev, plain, torch.int64)
         part = rows if len(plain) == len(picked) else rows.index_select(0, j)
-        weights = part.sub_(part.amax(-1, keepdim=True)).exp_()
-        picks.index_copy_(0, j, _pick(weights, u.index_select(0, j)))
+        picks.index_copy_(0, j, _plain_picks(part, u.index_select(0, j)))
     if filtered:
         j = _to(dev, filtered, torch.int64)
         part = [picked[f] for f in filtered]
