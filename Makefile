@@ -38,7 +38,8 @@ run: kernel
 AVX2_ENV := CROWDCHAT_KERNEL_ARCH=x86-64-v3 CROWDCHAT_KERNEL_TUNE=znver3
 KERNEL_TESTS := tests/test_cpu_kernels.py tests/test_cpu_kernels_kv.py \
 	tests/test_cpu_kernels_ops.py tests/test_cpu_quant.py tests/test_cpu_quant_kernels.py \
-	tests/test_lean_llama.py tests/test_lean_norm.py tests/test_paged_attention.py
+	tests/test_lean_llama.py tests/test_lean_norm.py tests/test_paged_attention.py \
+	tests/test_bf16_gemm.py tests/test_sampler.py
 test: kernel $(CHROMIUM)
 	$(PY) -m pytest -q $(ARGS)
 	$(if $(ARGS),,$(MAKE) --no-print-directory test-avx2)

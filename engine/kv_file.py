@@ -15,8 +15,6 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels import cpu_kernels
-
 
 @dataclass(frozen=True)
 class KVExport:
@@ -46,12 +44,20 @@ class KVFile:
     crc32: int
 
 
+def _kernels_loaded() -> bool:
+    try:
+        return hasattr(torch.ops.crowdchat, "crc32_bytes")
+    except RuntimeError:
+        return False
+
+
 def kv_crc32(k: torch.Tensor, v: torch.Tensor) -> int:
     """zlib's CRC-32 of K's raw bytes, then V's (a checksum against torn or flipped bytes, not
     a cryptographic hash): on crowdchat's CPU kernel where it is built (csrc/crc32.h, folded
     with PCLMULQDQ: 46 MB in ~5 ms against zlib's ~21 on a Sapphire Rapids-class Xeon), else
     zlib's; the same values."""
-    op = torch.ops.crowdchat.crc32_bytes if cpu_kernels.loaded() else None
+    # the kernel where engine.kernels has loaded it (the seam imports no sub-package)
+    op = getattr(torch.ops.crowdchat, "crc32_bytes", None) if _kernels_loaded() else None
     crc = 0
     for t in (k, v):
         flat = t.contiguous().reshape(-1).view(torch.uint8)

@@ -95,9 +95,7 @@ def test_bad_arguments_are_refused() -> None:
 
 
 def test_rows_above_follows_the_setting() -> None:
-    assert bf16_gemm.rows_above(0) == 0
-    expected = bf16_gemm.DEFAULT_ABOVE if bf16_gemm.available() else 0
-    assert bf16_gemm.rows_above(None) == expected
+    assert bf16_gemm.rows_above(0) == 0  # the default
     assert bf16_gemm.rows_above(64) == (64 if bf16_gemm.available() else 0)
 
 
@@ -125,4 +123,37 @@ def test_model_logits_on_the_bf16_gemm_stay_within_the_nf4_tolerance(
             m.bf16_rows = rows
     assert not torch.equal(wide, ref)  # the other path did run
     assert_same_top_within_tolerance(wide, ref)
+    engine.check_integrity()
+
+
+def test_the_flag_puts_a_models_linears_on_the_bf16_gemm_and_names_it(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    """`--cpu-bf16-above N` on a tiny Llama: its 4-bit linears take the GEMM above N rows,
+    the KV fingerprint names it (snapshots never cross), and a prefill of more rows runs."""
+    if not bf16_gemm.available():
+        pytest.skip("no AMX tiles here: the flag leaves every step on the int8 kernel")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine import EngineConfig
+    from engine.model.loader import load_model
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    directory = tmp_path / "tiny"
+    LlamaForCausalLM(config).save_pretrained(directory)
+    nf4_model.tokenizer.save_pretrained(directory)
+    loaded = load_model(EngineConfig(model=str(directory), data_dir=tmp_path, cpu_bf16_above=32))
+    linears = [m for m in loaded.model.modules() if isinstance(m, Int4Linear)]
+    assert linears and all(m.bf16_rows == 32 for m in linears)
+    assert loaded.kernel.endswith("-bf16>32")
+    assert "-bf16>32" in loaded.fingerprint(16)["quant"]
+    engine = make_engine(loaded, tmp_path)
+    engine.shutdown()
+    seq = Sequence(list(range(5, 105)), GREEDY)  # 100 rows: past 32
+    logits = first_step_logits(engine, [seq])
+    assert logits.shape == (1, 1000) and bool(torch.isfinite(logits).all())
     engine.check_integrity()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from bench.throughput import TEXT
 from engine.kernels import cpu_kernels
-from engine.model import bf16_gemm, cpu_quant
+from engine.model import cpu_quant
 from engine.model.cpu_quant import GROUP_SIZE, DenseKind, Fp16Linear, Int4Linear, Int8Linear
 from engine.model.loader import LoadedModel
 from tests.quant_weights import q4_1_weights
@@ -147,12 +147,9 @@ def test_the_default_cpu_model_runs_on_torch_int4_kernels(nf4_model: LoadedModel
     if dot or q8:
         assert isinstance(head, Int8Linear) and head.own and head.dense is None and head.q8 == q8
         layout = "-dot" if dot else ""
-        # many-row steps on the bf16 GEMM where AMX is there (engine.model.bf16_gemm)
-        wide = bf16_gemm.rows_above(None) if dot and q8 else 0
-        assert all(m.bf16_rows == wide for m in packed)
-        assert nf4_model.kernel == f"crowdchat{layout}-int4g32" + ("-q8" if q8 else "") + (
-            f"-bf16>{wide}" if wide else ""
-        )
+        # no step on the bf16 GEMM unless asked (engine.model.bf16_gemm, --cpu-bf16-above)
+        assert all(m.bf16_rows == 0 for m in packed)
+        assert nf4_model.kernel == f"crowdchat{layout}-int4g32" + ("-q8" if q8 else "")
     elif cpu_quant.dense_kind(nf4_model.dtype, None).fp16:
         assert isinstance(head, Fp16Linear)
         assert nf4_model.kernel == int4 + "+fp16"

@@ -1,5 +1,5 @@
 """Steps of many rows through the 4-bit linears on oneDNN's bfloat16 GEMM, where the CPU has
-AMX tiles (Sapphire Rapids and later Xeons).
+AMX tiles (Sapphire Rapids and later Xeons), when the operator asks for it.
 
 The int8-activation kernel (csrc/q4_linear.cpp) scales every group of 32 integer sums in
 float32, so at many rows AMX's tiles spend most of their time waiting for that scaling. Above
@@ -11,7 +11,11 @@ projections at 504 rows: 3.2 ms against 4.9 on the kernel; at 256 rows 2.0 again
 ~170 rows the kernel wins (2-core Sapphire Rapids-class Xeon, docs/PERFORMANCE.md). The values
 differ from the int8 kernel's by the activations' rounding (bf16 instead of int8 per group): a
 sequence's logits then depend, within the nf4 tolerance (tests/test_batching.py), on whether
-its step had many rows, as with the dense copies.
+its step had many rows, as with the dense copies. That is why it is off by default: on the int8
+kernel a row's values are bitwise the same in any batch and any chunking of its prompt, so two
+users sending the same conversation get the same greedy reply whatever the prefix cache held
+(tests/test_crash.py holds a restored session to its twin's exact reply); with it they may
+differ at near ties.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import torch
 
 from engine.kernels import cpu_kernels
 
-DEFAULT_ABOVE = 192  # rows: the crossover measured on a 2-core Sapphire Rapids-class Xeon
+# rows: the crossover measured on a 2-core Sapphire Rapids-class Xeon, what an operator who
+# opts in would set (`--cpu-bf16-above 192`)
+SUGGESTED_ABOVE = 192
 SLICE = 1 << 24  # at most this many weights widened at once (32 MB of bf16): wider in slices
 
 _local = threading.local()
@@ -39,12 +45,10 @@ def available() -> bool:
     )
 
 
-def rows_above(setting: int | None) -> int:
-    """Rows above which a call takes the bf16 GEMM (`--cpu-bf16-above`; unset: DEFAULT_ABOVE
-    where `available`); 0: never."""
-    if setting == 0 or not available():
-        return 0
-    return DEFAULT_ABOVE if setting is None else setting
+def rows_above(setting: int) -> int:
+    """Rows above which a call takes the bf16 GEMM: `--cpu-bf16-above` where `available`;
+    0: never (the default)."""
+    return setting if setting > 0 and available() else 0
 
 
 def _scratch(k: int, n: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ def quantize_model(
     dense_rows: int | None,
     activations: str = "auto",
     progress: Callable[[float], None] | None = None,
-    bf16_above: int | None = None,
+    bf16_above: int = 0,
 ) -> str:
     """Replace the decoder's linears (int4 or int8 per `quant`) and the output projection
     (int8, or float16 beside float16 dense copies) in place; `activations` as
