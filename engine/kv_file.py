@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,11 +45,13 @@ class KVFile:
     crc32: int
 
 
-def _kernels_loaded() -> bool:
+def _crc32_kernel() -> Callable[[torch.Tensor, int], int] | None:
+    """crowdchat's CRC-32 op where engine.kernels has loaded it (this top level of engine/
+    imports no sub-package), else None."""
     try:
-        return hasattr(torch.ops.crowdchat, "crc32_bytes")
+        return getattr(torch.ops.crowdchat, "crc32_bytes", None)
     except RuntimeError:
-        return False
+        return None
 
 
 def kv_crc32(k: torch.Tensor, v: torch.Tensor) -> int:
@@ -56,8 +59,7 @@ def kv_crc32(k: torch.Tensor, v: torch.Tensor) -> int:
     a cryptographic hash): on crowdchat's CPU kernel where it is built (csrc/crc32.h, folded
     with PCLMULQDQ: 46 MB in ~5 ms against zlib's ~21 on a Sapphire Rapids-class Xeon), else
     zlib's; the same values."""
-    # the kernel where engine.kernels has loaded it (the seam imports no sub-package)
-    op = getattr(torch.ops.crowdchat, "crc32_bytes", None) if _kernels_loaded() else None
+    op = _crc32_kernel()
     crc = 0
     for t in (k, v):
         flat = t.contiguous().reshape(-1).view(torch.uint8)
