@@ -18,7 +18,8 @@
 #include <vector>
 
 #include "attention.h"         // exp_nonpositive: Cephes' expf for x <= 0
-#include "attention_avx512.h"  // the same on 16 lanes
+#include "attention_avx2.h"    // the same on 8 lanes (AVX2 builds)
+#include "attention_avx512.h"  // and on 16
 
 namespace {
 
@@ -61,6 +62,18 @@ int64_t pick_row(float* __restrict x, int64_t v, double u, double* __restrict su
       acc = _mm512_add_ps(acc, w);
     }
     s = _mm512_reduce_add_ps(acc);
+#elif defined(CROWDCHAT_ATTENTION_AVX2)
+    const __m256 mb = _mm256_set1_ps(m), ninf = _mm256_set1_ps(-kInf);
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 xv = _mm256_loadu_ps(xb + i);
+      const __m256 live = _mm256_cmp_ps(xv, ninf, _CMP_NEQ_OQ);
+      const __m256 w = _mm256_and_ps(
+          live, crowdchat_attention::exp8_nonpositive(_mm256_sub_ps(xv, mb)));
+      _mm256_storeu_ps(xb + i, w);
+      acc = _mm256_add_ps(acc, w);
+    }
+    s = crowdchat_attention::sum8(acc);
 #endif
     for (; i < n; ++i) {
       xb[i] = xb[i] == -kInf ? 0.f : crowdchat_attention::exp_nonpositive(xb[i] - m);
