@@ -48,10 +48,7 @@ class KVFile:
 def _crc32_kernel() -> Callable[[torch.Tensor, int], int] | None:
     """crowdchat's CRC-32 op where engine.kernels has loaded it (this top level of engine/
     imports no sub-package), else None."""
-    try:
-        return getattr(torch.ops.crowdchat, "crc32_bytes", None)
-    except RuntimeError:
-        return None
+    return getattr(torch.ops.crowdchat, "crc32_bytes", None)  # a missing op: AttributeError
 
 
 def kv_crc32(k: torch.Tensor, v: torch.Tensor) -> int:
