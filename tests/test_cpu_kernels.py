@@ -144,7 +144,8 @@ def test_a_prefill_chunk_is_causal_attention_and_bitwise_the_decode_of_each_toke
     kernel, seed: int
 ) -> None:
     """Query i of a chunk attends positions up to start + i: within float64 attention of those,
-    and bitwise what the decode kernel gives the same token at the same context."""
+    bitwise what the decode kernel gives the same token at the same context, and bitwise the
+    same on one thread as on all (a chunk's work items split over the threads)."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     for _ in range(8):
         c = prefill_case(rng, gen)
@@ -153,6 +154,12 @@ def test_a_prefill_chunk_is_causal_attention_and_bitwise_the_decode_of_each_toke
         decodes = as_decodes(c)
         assert (got.double() - reference(decodes)).abs().max() < 2e-5
         assert torch.equal(got, run(kernel, decodes))
+        before = torch.ops.crowdchat.omp_threads(1)
+        try:
+            alone = prefill(c)
+        finally:
+            torch.ops.crowdchat.omp_threads(before)
+        assert torch.equal(got, alone)
 
 
 def test_bad_prefill_chunks_raise_instead_of_reading_outside_the_pool(kernel) -> None:

@@ -15,9 +15,9 @@ namespace crowdchat_attention {
 
 constexpr int64_t kChunk = 512;  // tokens per work item
 constexpr int64_t kQueryTile = 16;  // a prefill chunk's tokens per work item
-// below this many (token, KV head) pairs in a call, one thread does it all: waking the other
-// threads (passive OpenMP waits, engine/threads.py) costs more than they would save (2-core
-// EPYC: one row of 200 tokens, 3 KV heads, ~40 us alone, ~60 with the second thread woken)
+// below this many (query, key) pairs x KV heads in a call, one thread does it all: waking the
+// other threads (passive OpenMP waits, engine/threads.py) costs more than they would save
+// (2-core EPYC: one row of 200 tokens, 3 KV heads, ~40 us alone, ~60 with the second woken)
 constexpr int64_t kSerialWork = 2048;
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kMaxBlock = 128;
