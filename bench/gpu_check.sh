@@ -164,7 +164,10 @@ step tests 150 "$PY" -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py \
   tests/test_triton_attention.py
 step throughput 120 "$PY" bench/throughput.py --device cuda --model "$MODEL" --data-dir "$DATA" \
   --users 1,8,32,64 --sequential-requests 2
-# the same with the decode attention gathered for SDPA (the path before the Triton kernel)
+# the same with every step eager (no CUDA graphs: vLLM's --enforce-eager)
+step throughput_eager 90 "$PY" bench/throughput.py --device cuda --model "$MODEL" \
+  --data-dir "$DATA" --users 1,32 --sequential-requests 1 --cuda-graph-rows 0
+# and with the decode attention gathered for SDPA (the path before the Triton kernel)
 step throughput_gather 90 "$PY" bench/throughput.py --device cuda --model "$MODEL" \
   --data-dir "$DATA" --users 1,32 --sequential-requests 1 --cuda-attention gather
 step admin 75 "$PY" bench/admin_snapshot.py --device cuda --model "$MODEL" --data-dir "$DATA" \

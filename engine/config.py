@@ -79,6 +79,12 @@ class EngineConfig(Settings):
         0.9, "share of free VRAM after loading used for KV on CUDA"
     )
     max_num_seqs: int = setting(64, "sequences decoding at once (also the page's concurrency)")
+    cuda_graph_rows: int | None = setting(
+        None,
+        "CUDA: steps of up to this many decodes replay a captured CUDA graph, padded to a "
+        "bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, ...); off: up to --max-num-seqs; 0: no graphs, "
+        "every step eager (vLLM's --enforce-eager)",
+    )
     max_model_len: int | None = setting(
         None, "tokens per sequence, also capped by the pool (off: the model's context)"
     )
@@ -170,6 +176,10 @@ class EngineConfig(Settings):
         need(self.kv_budget_mb is None or self.kv_budget_mb > 0, "--kv-budget-mb must be > 0")
         need(0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]")
         need(self.max_num_seqs >= 1, "--max-num-seqs must be >= 1")
+        need(
+            self.cuda_graph_rows is None or self.cuda_graph_rows >= 0,
+            "--cuda-graph-rows must be >= 0 (0: no CUDA graphs)",
+        )
         need(
             self.max_model_len is None or self.max_model_len >= 16,
             "--max-model-len must be >= 16",

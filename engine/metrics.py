@@ -100,6 +100,7 @@ class EngineStats:
     alive: bool = True  # False once the engine thread has died or was shut down
     failure: str | None = None  # why the engine thread died
     replicas: tuple[ReplicaStats, ...] = ()  # upstream backends only: one row per replica
+    graph_bytes: int = 0  # device memory the captured CUDA graphs keep (engine.model.static_decode)
 
 
 def percentile(samples: deque[float], q: float) -> float | None:

@@ -107,6 +107,62 @@ def test_the_triton_attention_replies_as_the_gathered_one_on_cuda(
     assert replies[0] == replies[1]
 
 
+def test_decode_steps_replay_cuda_graphs_bitwise_as_eager(
+    fp32_cuda: LoadedModel, tmp_path: Path
+) -> None:
+    """Every bucket is captured at start (its memory in the stats); a replayed step's logits
+    are bitwise the same static step run eagerly; padded buckets reply as eager steps."""
+    from dataclasses import replace
+
+    from engine.model.plan import StepPlan
+
+    assert fp32_cuda.decode_buckets[-1] == EngineConfig().max_num_seqs
+    engine = engine_on(fp32_cuda, tmp_path)
+    engine.shutdown()  # drive the runner on this thread
+    runner, pool = engine.runner, engine.pool  # type: ignore[attr-defined]
+    static = runner.static
+    assert static is not None and set(static.graphs) == set(fp32_cuda.decode_buckets)
+    assert engine.stats().graph_bytes == static.graph_bytes > 0
+    seqs = []
+    with torch.inference_mode():
+        for ids in encode(fp32_cuda)[:3]:  # bucket 4: one padded row
+            s = Sequence(ids, GREEDY)
+            s.block_table = pool.allocate(pool.blocks_for(len(ids) + 1))
+            runner.forward(StepPlan(prefills=[(s, len(ids))]))
+            s.num_computed = len(ids)
+            s.token_ids.append(ids[-1])
+            seqs.append(s)
+        replayed = static.run(seqs).clone()
+        eager = static._forward(static.bucket(len(seqs)))[: len(seqs)]
+    assert torch.equal(replayed, eager)
+    replies = []
+    for loaded in (fp32_cuda, replace(fp32_cuda, decode_buckets=())):
+        engine = engine_on(loaded, tmp_path)
+        try:
+            replies.append(engine.generate(encode(fp32_cuda), GREEDY))
+        finally:
+            engine.check_integrity()
+            engine.shutdown()
+    assert replies[0] == replies[1]
+
+
+def test_nf4_decode_steps_replay_inside_cuda_graphs(nf4_cuda: LoadedModel, tmp_path: Path):
+    """bitsandbytes' nf4 kernels inside the captured steps: the same greedy replies as eager
+    steps of the same kernels."""
+    from dataclasses import replace
+
+    replies = []
+    for loaded in (nf4_cuda, replace(nf4_cuda, decode_buckets=())):
+        engine = engine_on(loaded, tmp_path)
+        try:
+            assert (engine.runner.static is not None) == bool(loaded.decode_buckets)  # type: ignore[attr-defined]
+            replies.append(engine.generate(encode(nf4_cuda), GREEDY))
+        finally:
+            engine.check_integrity()
+            engine.shutdown()
+    assert replies[0] == replies[1]
+
+
 def test_fp32_engine_equals_transformers_generate_on_cuda(
     fp32_engine: Engine, fp32_cuda: LoadedModel
 ) -> None:

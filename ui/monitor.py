@@ -43,6 +43,7 @@ def memory(engine: Backend) -> Memory:
         detail = {
             "allocated": torch.cuda.memory_allocated(dev),
             "reserved": torch.cuda.memory_reserved(dev),
+            "cuda_graphs": s.graph_bytes,  # within reserved: the captured decode steps' pool
         }
         other = max(total - free - s.model_bytes - s.kv_bytes, 0)
         return Memory(

@@ -64,9 +64,11 @@ class Engine(ResidentKVCalls, EngineLoop, ConfigFacts):
         with startup.step("sizing the KV pool"):
             num_blocks = pool_blocks(config, self.loaded)
             # zero-filling is an OpenMP region: keep it off the caller's thread (engine.threads)
+            scratch = bool(self.loaded.decode_buckets)  # one block of the budget kept aside
             self.cache = run_in_fresh_thread(
-                lambda: KVCache(self.loaded, num_blocks, config.block_size)
+                lambda: KVCache(self.loaded, num_blocks, config.block_size, scratch=scratch)
             )
+            num_blocks -= scratch
         self.pool = BlockPool(num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.pool, config.max_num_seqs, policy=make_policy(config.schedule)
@@ -237,6 +239,7 @@ class Engine(ResidentKVCalls, EngineLoop, ConfigFacts):
                 served=tuple(self.scheduler.policy.served_top(SERVED_TOP)),
                 alive=self.alive,
                 failure=self.failure,
+                graph_bytes=getattr(self.runner, "graph_bytes", 0),
             )
 
     def queue_position(self, handle: RequestHandle) -> int | None:

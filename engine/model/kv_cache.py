@@ -98,9 +98,14 @@ class KVCache:
     engine thread touches it.
     """
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, scratch: bool = False
+    ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
+        # with `scratch`, the last block is not the pool's to hand out: padding rows of a
+        # static decode step write their K/V there (engine.model.static_decode)
+        self.scratch_block: int | None = num_blocks - 1 if scratch else None
         shape = (2, loaded.num_layers, loaded.num_kv_heads, num_blocks * block_size)
         shape += (loaded.head_dim,)
         self.mapping: mmap.mmap | None = None  # the CPU pool's memory (huge pages)

@@ -69,6 +69,9 @@ class LoadedModel:
     # CUDA: "triton" where decode attention reads the pool in crowdchat's Triton kernel
     # (engine.kernels.triton_attention), else "gather"; "" on the CPU
     cuda_attention: str = ""
+    # CUDA with the Triton kernel: the batch buckets a step of decodes is padded to and
+    # replayed as a CUDA graph (engine.model.static_decode); () where steps run eagerly
+    decode_buckets: tuple[int, ...] = ()
 
     def fingerprint(self, block_size: int) -> dict[str, str | int]:
         """What a KV snapshot must match to be reused by this model: everything that
@@ -87,6 +90,17 @@ class LoadedModel:
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
         }
+
+
+# the batch sizes a CUDA step of decodes is padded to (each one captured graph)
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+
+def graph_buckets(max_rows: int) -> tuple[int, ...]:
+    """The buckets up to `max_rows`, `max_rows` itself the last; () for 0 (no graphs)."""
+    if max_rows <= 0:
+        return ()
+    return tuple(b for b in GRAPH_BUCKETS if b < max_rows) + (max_rows,)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -198,6 +212,9 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
     if device.type == "cuda":
         triton = config.cuda_attention == "triton" and triton_attention.available()
         cuda_attention = "triton" if triton and needs_general(mc) is None else "gather"
+    graph_rows = config.max_num_seqs
+    if config.cuda_graph_rows is not None:
+        graph_rows = min(graph_rows, config.cuda_graph_rows)
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -219,6 +236,7 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
         + (f" kernels={cpu_kernels.isa()}" if device.type == "cpu" else "")
         + (f" attention={cuda_attention}" if cuda_attention else ""),
         cuda_attention=cuda_attention,
+        decode_buckets=graph_buckets(graph_rows) if cuda_attention == "triton" else (),
     )
     log.info(
         "loaded %s (%s via %s, %s) on %s: %.1f MB of weights",

@@ -17,6 +17,7 @@ from engine.model.lean_norm import fuse_norms
 from engine.model.loader import LoadedModel
 from engine.model.plan import StepPlan
 from engine.model.sampler import sample
+from engine.model.static_decode import StaticDecode
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,18 @@ class ModelRunner:
         if loaded.cuda_attention == "triton":
             self.decode_kernel = triton_attention.paged_decode_attention
             self.prefill_kernel = triton_attention.paged_prefill_attention
+        # CUDA with the Triton kernel: steps of decodes on persistent buffers, one captured
+        # graph per batch bucket (engine.model.static_decode); the CPU runs them eagerly (tests)
+        self.static: StaticDecode | None = None
+        if (
+            loaded.decode_buckets
+            and loaded.cuda_attention == "triton"
+            and self.lean is not None
+            and cache.scratch_block is not None
+        ):
+            self.static = StaticDecode(self.lean, cache, loaded.decode_buckets, loaded.max_position)
+            if self.device.type == "cuda":
+                self.static.capture()
         arch = (getattr(self.model.config, "architectures", None) or ["?"])[0]
         if self.lean is not None:
             log.info("%s: the fast path (a flat Llama forward, crowdchat's kernels)", arch)
@@ -178,9 +191,17 @@ class ModelRunner:
         )
         return meta, ids, pos, logit_rows
 
+    @property
+    def graph_bytes(self) -> int:
+        """Device memory the captured CUDA graphs keep (0 without)."""
+        return self.static.graph_bytes if self.static is not None else 0
+
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Run one step; the logits of each row that ends its sequence's known tokens.  # [N, V]"""
+        static = self.static
+        if static is not None and not plan.prefills and static.fits(plan.decodes):
+            return static.run(plan.decodes)
         meta, ids, pos, rows = self._metadata(plan)
         dev = self.device
         input_ids = torch.tensor([ids], device=dev)

@@ -1,0 +1,159 @@
+"""A step of decodes on persistent buffers, replayed on CUDA as one captured graph per bucket.
+
+An eager decode step on the GPU is launch-bound: ~40 ATen calls and several bitsandbytes calls
+a layer, each paying Python and dispatcher time, and its inputs built as fresh tensors, each a
+blocking host-to-device copy. Here a step of n decodes runs as bucket b (the smallest of
+`LoadedModel.decode_buckets` >= n, up to `--cuda-graph-rows`):
+
+- its inputs (token ids, positions, slot mapping, context lengths and an int64 block table as
+  wide as the longest context the model takes) live in one persistent device buffer, filled
+  from one pinned host buffer by one non-blocking copy a step;
+- rows n..b-1 are padding: length 0 (the Triton kernel writes zeros for them), their new K/V
+  written into a scratch block the pool keeps aside (`KVCache(scratch=True)`), so they touch
+  no one's context;
+- the forward is the lean Llama forward with the Triton decode kernel, whose launch depends on
+  the rows and the table's width only (engine.kernels.triton_attention), so on CUDA it is
+  captured once per bucket (`torch.cuda.CUDAGraph`, all buckets in one memory pool, largest
+  first) and each step is one replay; the logits stay on the device for the sampler, and the
+  step reads back only the sampled ids.
+
+On the CPU (tests) the same buffers run eagerly, so the padding, the scratch block and the
+fixed-width table are tested without a GPU; `tests/test_cuda.py` tests capture and replay.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from engine.kernels import triton_attention
+from engine.model.attention import DecodeGroup, StepMetadata
+from engine.model.kv_cache import KVCache
+from engine.model.lean_llama import LeanLlama
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+FIELDS = 4  # per row before its table: token id, position, slot, context length
+
+
+class StaticDecode:
+    """`run(decodes)` -> their logits [n, V] (plan order), on buffers that outlive the step."""
+
+    def __init__(
+        self, lean: LeanLlama, cache: KVCache, sizes: tuple[int, ...], max_position: int
+    ) -> None:
+        assert sizes and cache.scratch_block is not None
+        self.lean, self.cache, self.sizes = lean, cache, sizes
+        self.device = cache.data.device
+        bs = cache.block_size
+        self.block_size = bs
+        self.width = -(-max_position // bs)  # table columns: the longest context's blocks
+        rows = sizes[-1]
+        self.max_rows = rows
+        self.scratch_slot = cache.scratch_block * bs
+        # one flat int64 buffer: ids, positions, slots, lengths ([rows] each), then the table
+        total = rows * (FIELDS + self.width)
+        cuda = self.device.type == "cuda"
+        self.host = torch.zeros(total, dtype=torch.long, pin_memory=cuda)
+        self.staged = self.host.numpy()
+        self.flat = torch.zeros(total, dtype=torch.long, device=self.device)
+        self.ids, self.positions, self.slots, self.lens = self.flat[: FIELDS * rows].view(
+            FIELDS, rows
+        )
+        self.table = self.flat[FIELDS * rows :].view(rows, self.width)
+        self.logit_rows = torch.arange(rows, device=self.device)
+        self._pad(0)
+        self.flat.copy_(self.host)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_bytes = 0
+
+    def fits(self, decodes: list[Sequence]) -> bool:
+        """Whether this step of decodes can run here: few enough rows, tables narrow enough."""
+        if not decodes or len(decodes) > self.max_rows:
+            return False
+        bs, width = self.block_size, self.width
+        return all(-(-(s.num_computed + 1) // bs) <= width for s in decodes)
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.sizes if b >= n)
+
+    def _pad(self, first: int) -> None:
+        """Rows `first`.. of the host buffer as padding: token 0 at position 0, writing the
+        scratch slot, no context (their table rows are never read)."""
+        rows = self.max_rows
+        for f, value in enumerate((0, 0, self.scratch_slot, 0)):
+            self.staged[f * rows + first : (f + 1) * rows] = value
+
+    def _fill(self, decodes: list[Sequence]) -> None:
+        """The step's rows into the host buffer, then one copy to the device."""
+        rows, bs, staged = self.max_rows, self.block_size, self.staged
+        table = staged[FIELDS * rows :].reshape(rows, self.width)
+        for i, s in enumerate(decodes):
+            p = s.num_computed  # the decode token's position
+            nblk = p // bs + 1
+            staged[i] = s.token_ids[p]
+            staged[rows + i] = p
+            staged[2 * rows + i] = s.block_table[p // bs] * bs + p % bs
+            staged[3 * rows + i] = p + 1
+            table[i, :nblk] = np.asarray(s.block_table[:nblk], dtype=np.int64)
+        self._pad(len(decodes))
+        self.flat.copy_(self.host, non_blocking=True)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """The lean forward over the first `b` rows of the buffers: logits [b, V]."""
+        cache = self.cache
+        meta = StepMetadata(
+            k_cache=cache.k,
+            v_cache=cache.v,
+            block_size=self.block_size,
+            slot_mapping=self.slots[:b],
+            decode_groups=[DecodeGroup(0, b, self.table[:b], None, lens=self.lens[:b])],
+            prefills=[],
+            decode_kernel=triton_attention.paged_decode_attention,
+        )
+        ids = self.ids[:b].view(1, b)
+        return self.lean.forward(ids, self.positions[:b].view(1, b), meta, self.logit_rows[:b])
+
+    @torch.inference_mode()
+    def run(self, decodes: list[Sequence]) -> torch.Tensor:
+        """The logits of `decodes` (which `fits` accepted), one row each, in their order."""
+        n = len(decodes)
+        b = self.bucket(n)
+        self._fill(decodes)
+        graph = self.graphs.get(b)
+        if graph is None:
+            return self._forward(b)[:n]
+        graph[0].replay()
+        return graph[1][:n]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket's forward as a CUDA graph (largest first, one memory pool), on
+        padding rows only; `graph_bytes` is the memory the graphs keep."""
+        assert self.device.type == "cuda"
+        self._pad(0)
+        self.flat.copy_(self.host)
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        for b in reversed(self.sizes):
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm up: Triton's compile, cuBLAS's handles
+                self._forward(b)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(b)
+            self.graphs[b] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        self.graph_bytes = torch.cuda.memory_reserved(self.device) - before
+        log.info(
+            "CUDA graphs: %d decode buckets up to %d rows, %.1f MB",
+            len(self.graphs),
+            self.max_rows,
+            self.graph_bytes / 2**20,
+        )

@@ -1,0 +1,120 @@
+"""The CUDA path's decode step on persistent buffers (engine/model/static_decode.py), run on the CPU
+with the Triton kernel in its interpreter (tests/conftest.py) over a tiny float32 Llama: the same
+replies as the dynamic step, padded rows that touch only the scratch block, and the pool never
+handing that block out. Capture and replay as CUDA graphs: tests/test_cuda.py."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.chat_format import ChatFormatter
+from engine.kernels import triton_attention
+from engine.model.loader import LoadedModel, graph_buckets, load_model
+from engine.model.plan import StepPlan
+from engine.model.static_decode import StaticDecode
+from engine.sequence import Sequence
+from tests.model_zoo import build
+from tests.rig import make_engine
+
+pytestmark = [
+    pytest.mark.skipif(not triton_attention.available(), reason="triton not installed"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU tests/test_cuda.py runs it"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A tiny random float32 Llama with the CUDA path's hooks: Triton attention, buckets 1-4."""
+    directory = build("llama", tmp_path_factory.mktemp("tiny") / "llama", nf4_model.tokenizer)
+    config = EngineConfig(model=str(directory), data_dir=directory, quant="none", dtype="float32")
+    return replace(load_model(config), cuda_attention="triton", decode_buckets=(1, 2, 4))
+
+
+def engine_for(loaded: LoadedModel, tmp: Path, **overrides: object) -> Engine:
+    return make_engine(loaded, tmp, quant="none", dtype="float32", model="tiny", **overrides)
+
+
+def test_the_buckets_follow_the_setting() -> None:
+    assert graph_buckets(0) == ()
+    assert graph_buckets(1) == (1,)
+    assert graph_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert graph_buckets(40) == (1, 2, 4, 8, 16, 24, 32, 40)
+    with pytest.raises(Exception, match="cuda-graph-rows"):
+        EngineConfig(cuda_graph_rows=-1)
+
+
+def test_static_steps_reply_as_dynamic_ones_token_for_token(tiny: LoadedModel, tmp_path: Path):
+    """Three conversations decoding together (bucket 4: one padded row), then fewer as they
+    end: the same greedy replies as the dynamic step's, and the static step really ran."""
+    fmt = ChatFormatter(tiny.tokenizer)
+    prompts = [fmt.encode([{"role": "user", "content": q}]) for q in ("Hi!", "Why?", "How so?")]
+    replies = []
+    for loaded in (tiny, replace(tiny, decode_buckets=())):
+        engine = engine_for(loaded, tmp_path)
+        runner = engine.runner  # type: ignore[attr-defined]
+        static = runner.static
+        assert (static is not None) == bool(loaded.decode_buckets)
+        runs = []
+        if static is not None:
+            direct = static.run
+            static.run = lambda decodes, direct=direct, runs=runs: (
+                runs.append(len(decodes)) or direct(decodes)
+            )
+        try:
+            handles = [
+                engine.submit(ids, SamplingParams(temperature=0, max_new_tokens=4 + 3 * i))
+                for i, ids in enumerate(prompts)
+            ]
+            for h in handles:
+                h.result()
+            replies.append([h.token_ids for h in handles])
+        finally:
+            engine.check_integrity()
+            engine.shutdown()
+        if static is not None:
+            assert 3 in runs and 1 in runs, runs  # padded to 4, and alone
+    assert replies[0] == replies[1]
+    assert [len(r) for r in replies[0]] == [4, 7, 10]
+
+
+def test_padded_rows_write_only_the_scratch_block(tiny: LoadedModel, tmp_path: Path) -> None:
+    """A static step of 3 decodes (bucket 4): the K/V of its own 3 tokens and the scratch
+    block change, nothing else in the pool; its logits are the dynamic step's."""
+    engine = engine_for(tiny, tmp_path)
+    engine.shutdown()  # drive the runner on this thread
+    runner, pool, cache = engine.runner, engine.pool, engine.cache  # type: ignore[attr-defined]
+    static: StaticDecode = runner.static
+    assert cache.scratch_block == pool.num_blocks  # one block past what the pool hands out
+    rng = random.Random(3)
+    seqs = []
+    with torch.inference_mode():
+        for n in (5, 17, 40):
+            s = Sequence([rng.randrange(100, 2000) for _ in range(n)], SamplingParams())
+            s.block_table = pool.allocate(pool.blocks_for(n + 1))
+            runner.forward(StepPlan(prefills=[(s, n)]))
+            s.num_computed = n
+            s.token_ids.append(rng.randrange(100, 2000))
+            seqs.append(s)
+        assert cache.scratch_block not in {b for s in seqs for b in s.block_table}
+        bs = cache.block_size
+        own = [s.block_table[s.num_computed // bs] * bs + s.num_computed % bs for s in seqs]
+        scratch = range(cache.scratch_block * bs, (cache.scratch_block + 1) * bs)
+        before = cache.data.clone()
+        got = static.run(seqs).clone()
+        changed = (cache.data != before).flatten(0, 2).any(-1).any(0).nonzero().flatten()
+        assert set(changed.tolist()) <= set(own) | set(scratch)
+        assert set(own) <= set(changed.tolist())
+        assert cache.data[:, :, :, list(scratch)].abs().sum() > 0  # the padded row wrote there
+        cache.data.copy_(before)
+        runner.static = None
+        want = runner.forward(StepPlan(decodes=seqs))
+        runner.static = static
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
