@@ -92,3 +92,75 @@ def fuse_projections(
                 setattr(parent, n, ProjectionPart(group, i))
             fused += 1
     return fused
+
+
+def _outputs(linear: nn.Module, x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    return linear(x).split(sizes, dim=-1)
+
+
+def fuse_bnb_4bit(model: nn.Module) -> int:
+    """q/k/v and gate/up as one bitsandbytes 4-bit linear each (CUDA, `--quant nf4`), from the
+    parts' own quantized bytes: 4-bit weights are quantized in blocks of 64 along the flattened
+    `[out, in]` matrix, so where `in` is a multiple of the block size the concatenated bytes and
+    block scales are exactly the fused matrix's quantization (tests/test_cuda_fuse.py: the
+    dequantized weights bitwise). Returns the groups fused; groups with nested (double-
+    quantized) scales, biases or other shapes stay as they are."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import QuantState
+
+    fused = 0
+    for parent in list(model.modules()):
+        for names in GROUPS:
+            linears = [getattr(parent, n, None) for n in names]
+            if not all(type(m) is bnb.nn.Linear4bit and m.bias is None for m in linears):
+                continue
+            states = [m.weight.quant_state for m in linears]
+            first = states[0]
+            if first is None or any(
+                s is None
+                or s.nested
+                or (s.blocksize, s.quant_type, s.dtype)
+                != (first.blocksize, first.quant_type, first.dtype)
+                for s in states
+            ):
+                continue
+            k = linears[0].in_features
+            if any(m.in_features != k for m in linears) or k % first.blocksize:
+                continue
+            sizes = [m.out_features for m in linears]
+            state = QuantState(
+                absmax=torch.cat([s.absmax for s in states]),
+                shape=torch.Size([sum(sizes), k]),
+                code=first.code,
+                blocksize=first.blocksize,
+                quant_type=first.quant_type,
+                dtype=first.dtype,
+            )
+            data = torch.cat([m.weight.data.reshape(-1) for m in linears]).reshape(-1, 1)
+            linear = bnb.nn.Linear4bit(
+                k,
+                sum(sizes),
+                bias=False,
+                compute_dtype=linears[0].compute_dtype,
+                compress_statistics=False,
+                quant_type=first.quant_type,
+                quant_storage=data.dtype,
+                device=data.device,
+            )
+            linear.weight = bnb.nn.Params4bit(
+                data,
+                requires_grad=False,
+                quant_state=state,
+                blocksize=first.blocksize,
+                compress_statistics=False,
+                quant_type=first.quant_type,
+                quant_storage=data.dtype,
+                module=linear,
+                bnb_quantized=True,
+            )
+            group = FusedProjection(linear, sizes, _outputs)
+            parent.register_module("_".join(n.removesuffix("_proj") for n in names), group)
+            for i, n in enumerate(names):
+                setattr(parent, n, ProjectionPart(group, i))
+            fused += 1
+    return fused

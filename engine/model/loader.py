@@ -24,7 +24,7 @@ from transformers import (  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.errors import ModelLoadError  # noqa: E402
 from engine.kernels import cpu_kernels, triton_attention  # noqa: E402
-from engine.model import cpu_quant, quantize  # noqa: E402
+from engine.model import cpu_quant, fused_proj, quantize  # noqa: E402
 from engine.model.attention import needs_general  # noqa: E402
 from engine.model.checkpoint import resolve_checkpoint  # noqa: E402
 from engine.model.fingerprint import (  # noqa: E402
@@ -196,6 +196,8 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
             raise ModelLoadError(_unloadable(directory, model_id, e)) from e
     model.eval()
     kernel = "dense" if config.quant == "none" else "bitsandbytes"
+    if kernel == "bitsandbytes" and config.quant == "nf4" and fused_proj.fuse_bnb_4bit(model):
+        kernel = "bitsandbytes-fused"  # q/k/v and gate/up: one 4-bit matmul each
     if torch_kernels:
         with torch.inference_mode(), startup.step("quantizing the model"):
             kernel = quantize.quantize_model(
