@@ -23,6 +23,7 @@ fixed-width table are tested without a GPU; `tests/test_cuda.py` tests capture a
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -37,6 +38,10 @@ from engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 FIELDS = 4  # per row before its table: token id, position, slot, context length
+# most programs one row's KV head is split over: past SPLIT_TOKENS x this many tokens of width
+# a program takes more tokens, so the splits' partial sums ([rows, heads, splits, D] float32)
+# stay small for long-context models (128k tokens: 4,096 a program)
+MAX_SPLITS = 32
 
 
 class StaticDecode:
@@ -50,7 +55,12 @@ class StaticDecode:
         self.device = cache.data.device
         bs = cache.block_size
         self.block_size = bs
-        self.width = -(-max_position // bs)  # table columns: the longest context's blocks
+        # table columns: the longest context's blocks (no sequence outgrows the pool)
+        self.width = -(-min(max_position, cache.num_blocks * bs) // bs)
+        split = max(triton_attention.SPLIT_TOKENS, -(-self.width * bs // MAX_SPLITS))
+        self.attend = functools.partial(
+            triton_attention.paged_decode_attention, split_tokens=-(-split // bs) * bs
+        )
         rows = sizes[-1]
         self.max_rows = rows
         self.scratch_slot = cache.scratch_block * bs
@@ -112,7 +122,7 @@ class StaticDecode:
             slot_mapping=self.slots[:b],
             decode_groups=[DecodeGroup(0, b, self.table[:b], None, lens=self.lens[:b])],
             prefills=[],
-            decode_kernel=triton_attention.paged_decode_attention,
+            decode_kernel=self.attend,
         )
         ids = self.ids[:b].view(1, b)
         return self.lean.forward(ids, self.positions[:b].view(1, b), meta, self.logit_rows[:b])
