@@ -253,14 +253,16 @@ def test_kv_budget_comes_from_free_vram(fp32_cuda: LoadedModel, tmp_path: Path) 
 
 
 def test_kv_export_and_import_round_trip_on_cuda(fp32_engine: Engine, fp32_cuda: LoadedModel):
-    """Exported KV lands on the CPU (snapshots and the host tier keep it there), and a
-    continuation on imported KV equals a cold recompute."""
+    """Exported KV lands on the CPU in pinned memory (copied on a side stream; snapshots and
+    the host tier keep it there), and a continuation on imported KV (copied back on the side
+    stream, the steps after it waiting on the device) equals a cold recompute."""
     first = encode(fp32_cuda)[3]
     reply = fp32_engine.submit(first, GREEDY, owner="s", retain=True)
     reply.result()
     kv = fp32_engine.export_kv("s")
     assert kv is not None
     assert kv.k.device.type == "cpu" and kv.v.device.type == "cpu"
+    assert kv.k.is_pinned() and kv.v.is_pinned()
     follow = first + reply.token_ids + fp32_cuda.tokenizer.encode(" And then?")
     cold = fp32_engine.generate([follow], GREEDY)[0]
     assert fp32_engine.drop_kv("s") and fp32_engine.import_kv("s", kv)

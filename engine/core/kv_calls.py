@@ -25,8 +25,11 @@ class ResidentKVCalls:
     _call: Callable  # engine.core.loop.EngineLoop._call
 
     def export_kv(self, owner: str) -> KVExport | None:
-        """Copy an owner's resident KV to CPU (None if it has none)."""
-        return self._call(lambda: self.scheduler.resident.export(owner, self.cache))
+        """Copy an owner's resident KV to CPU (None if it has none). The engine thread only
+        enqueues the copy (on CUDA); this thread waits for it."""
+        kv, wait = self._call(lambda: self.scheduler.resident.export(owner, self.cache))
+        wait()
+        return kv
 
     def import_kv(
         self, owner: str, kv: KVExport, cache_ns: str | None = None, shareable_prefix: int = 0

@@ -122,13 +122,14 @@ class ResidentCache:
                 self.drop(owner)
                 self.num_dropped += 1
 
-    def export(self, owner: str, cache: KVCache) -> KVExport | None:
-        """A CPU copy of the owner's resident KV (None if it has none)."""
+    def export(self, owner: str, cache: KVCache) -> tuple[KVExport | None, Callable[[], None]]:
+        """A CPU copy of the owner's resident KV (None if it has none), and what waits until
+        it is filled (`KVCache.export_async`: call it off the engine thread)."""
         entry = self._entries.get(owner)
         if entry is None:
-            return None
-        k, v = cache.export(entry.block_table, len(entry.token_ids))
-        return KVExport(list(entry.token_ids), k, v)
+            return None, lambda: None
+        k, v, wait = cache.export_async(entry.block_table, len(entry.token_ids))
+        return KVExport(list(entry.token_ids), k, v), wait
 
     def summary(self) -> dict[str, tuple[int, int, float]]:
         """owner -> (tokens, blocks, seconds idle) of every entry."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+from collections.abc import Callable
 
 import psutil
 import torch
@@ -109,6 +110,7 @@ class KVCache:
         shape = (2, loaded.num_layers, loaded.num_kv_heads, num_blocks * block_size)
         shape += (loaded.head_dim,)
         self.mapping: mmap.mmap | None = None  # the CPU pool's memory (huge pages)
+        self._stream: torch.cuda.Stream | None = None  # CUDA: exports' and imports' stream
         if loaded.device.type == "cpu":
             self.data, self.mapping = host_zeros(shape, loaded.kv_dtype)
         else:
@@ -129,10 +131,41 @@ class KVCache:
 
     def export(self, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the KV of a sequence's first `num_tokens` tokens to CPU.  # 2 x [L, T, H_kv, D]"""
-        idx = self.slots(block_table, 0, num_tokens)
-        k = self.data[0].index_select(2, idx).transpose(1, 2).to("cpu").contiguous()
-        v = self.data[1].index_select(2, idx).transpose(1, 2).to("cpu").contiguous()
+        k, v, wait = self.export_async(block_table, num_tokens)
+        wait()
         return k, v
+
+    def export_async(
+        self, block_table: list[int], num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], None]]:
+        """`export`, and a function that waits until its K and V are filled (call it before
+        reading them, off the engine thread). On CUDA the gather and the copy into pinned host
+        memory run on a side stream: the engine thread only enqueues them, and its next steps
+        wait for the gather alone (after which the blocks may be written again), not for the
+        copy to the host."""
+        idx = self.slots(block_table, 0, num_tokens)
+        if self.data.device.type != "cuda":
+            k = self.data[0].index_select(2, idx).transpose(1, 2).contiguous()
+            v = self.data[1].index_select(2, idx).transpose(1, 2).contiguous()
+            return k, v, lambda: None
+        compute, side = torch.cuda.current_stream(self.data.device), self._side_stream()
+        side.wait_stream(compute)  # the steps that wrote this KV
+        gathered, copied = torch.cuda.Event(), torch.cuda.Event()
+        with torch.cuda.stream(side):
+            parts = [self.data[i].index_select(2, idx).transpose(1, 2).contiguous() for i in (0, 1)]
+            gathered.record(side)
+            k, v = (torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in parts)
+            k.copy_(parts[0], non_blocking=True)
+            v.copy_(parts[1], non_blocking=True)
+            copied.record(side)
+        compute.wait_event(gathered)
+        return k, v, copied.synchronize
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The stream KV exports and imports run on (CUDA), beside the steps' stream."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.data.device)
+        return self._stream
 
     def load(
         self, block_table: list[int], k: torch.Tensor, v: torch.Tensor, start: int = 0
@@ -140,6 +173,18 @@ class KVCache:
         """Write exported KV (`[L, T, H_kv, D]` each) into positions `start`.. of the blocks."""
         idx = self.slots(block_table, start, start + k.shape[1])
         dev, dt = self.data.device, self.data.dtype
+        if dev.type == "cuda":  # on the side stream; the next steps wait for it on the device
+            compute, side = torch.cuda.current_stream(dev), self._side_stream()
+            side.wait_stream(compute)  # steps still reading these blocks' last owner's KV
+            loaded = torch.cuda.Event()
+            with torch.cuda.stream(side):
+                k = k.to(dev, dt, non_blocking=k.is_pinned())
+                v = v.to(dev, dt, non_blocking=v.is_pinned())
+                self.data[0].index_copy_(2, idx, k.transpose(1, 2))
+                self.data[1].index_copy_(2, idx, v.transpose(1, 2))
+                loaded.record(side)
+            compute.wait_event(loaded)
+            return
         k, v = k.to(dev, dt), v.to(dev, dt)
         if dev.type == "cpu" and cpu_kernels.loaded():  # row copies, on all cores: 2x faster
             torch.ops.crowdchat.kv_scatter(self.data[0], k.contiguous(), idx)
