@@ -150,6 +150,7 @@ class KVCache:
             return k, v, lambda: None
         compute, side = torch.cuda.current_stream(self.data.device), self._side_stream()
         side.wait_stream(compute)  # the steps that wrote this KV
+        idx.record_stream(side)  # made on the steps' stream, read on this one
         gathered, copied = torch.cuda.Event(), torch.cuda.Event()
         with torch.cuda.stream(side):
             parts = [self.data[i].index_select(2, idx).transpose(1, 2).contiguous() for i in (0, 1)]
@@ -176,6 +177,7 @@ class KVCache:
         if dev.type == "cuda":  # on the side stream; the next steps wait for it on the device
             compute, side = torch.cuda.current_stream(dev), self._side_stream()
             side.wait_stream(compute)  # steps still reading these blocks' last owner's KV
+            idx.record_stream(side)
             loaded = torch.cuda.Event()
             with torch.cuda.stream(side):
                 k = k.to(dev, dt, non_blocking=k.is_pinned())
