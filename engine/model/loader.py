@@ -196,7 +196,8 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
             raise ModelLoadError(_unloadable(directory, model_id, e)) from e
     model.eval()
     kernel = "dense" if config.quant == "none" else "bitsandbytes"
-    if kernel == "bitsandbytes" and config.quant == "nf4" and fused_proj.fuse_bnb_4bit(model):
+    # through bitsandbytes only (importing it costs seconds where it is not used)
+    if bnb is not None and config.quant == "nf4" and fused_proj.fuse_bnb_4bit(model):
         kernel = "bitsandbytes-fused"  # q/k/v and gate/up: one 4-bit matmul each
     if torch_kernels:
         with torch.inference_mode(), startup.step("quantizing the model"):
