@@ -182,4 +182,14 @@ else
 fi
 step throughput_bf16 60 "$PY" bench/throughput.py --device cuda --model "$MODEL" \
   --data-dir "$DATA" --quant none --users 1,32 --sequential-requests 1
+# larger Llama shapes (random weights over SmolLM2's tokenizer: bench/random_model.py), nf4,
+# drawn on the GPU; contexts capped at 8,192 as a serving config would
+for shape in llama-3.2-1b llama-3.1-8b; do
+  dir=/tmp/crowdchat-random-$shape
+  step "random_$shape" 150 "$PY" bench/random_model.py "$dir" --shape "$shape" --device cuda
+  step "throughput_$shape" 150 "$PY" bench/throughput.py --device cuda --model "$dir" \
+    --data-dir "$DATA" --max-model-len 8192 --users 1,32,64 --sequential-requests 1
+done
+step restore_llama-3.1-8b 120 "$PY" bench/restore.py --device cuda \
+  --model /tmp/crowdchat-random-llama-3.1-8b --data-dir "$DATA" --lengths 2000 --repeats 1
 finish
