@@ -68,6 +68,28 @@ class ProjectionPart(nn.Module):
         return self.fused.part(x, self.index)
 
 
+def fuse_groups(
+    model: nn.Module, build: Callable[[list[nn.Module | None]], nn.Module | None], split: Split
+) -> int:
+    """Replace each group of sibling linears of `GROUPS` for which `build(linears)` returns a
+    fused linear by parts of that one linear, computed by `split` (`split(linear, x, sizes)`:
+    the parts' outputs); `build` gets each group's modules (None where a parent lacks one) and
+    returns None where it cannot fuse them. Returns the groups fused."""
+    fused = 0
+    for parent in list(model.modules()):
+        for names in GROUPS:
+            linears = [getattr(parent, n, None) for n in names]
+            linear = build(linears)
+            if linear is None:
+                continue
+            group = FusedProjection(linear, [m.out_features for m in linears], split)
+            parent.register_module("_".join(n.removesuffix("_proj") for n in names), group)
+            for i, n in enumerate(names):
+                setattr(parent, n, ProjectionPart(group, i))
+            fused += 1
+    return fused
+
+
 def fuse_projections(
     model: nn.Module,
     make: Callable[[torch.Tensor], nn.Module],
@@ -77,21 +99,15 @@ def fuse_projections(
     """Replace each group of bias-free sibling linears of `GROUPS` that `fits` accepts by parts
     of one linear built by `make` from their concatenated weights, computed by `split`
     (`split(linear, x, sizes)`: the parts' outputs). Returns the groups fused."""
-    fused = 0
-    for parent in list(model.modules()):
-        for names in GROUPS:
-            linears = [getattr(parent, n, None) for n in names]
-            if not all(type(m) is nn.Linear and m.bias is None and fits(m) for m in linears):
-                continue
-            if len({m.in_features for m in linears}) != 1:
-                continue
-            weight = torch.cat([m.weight.detach() for m in linears])
-            group = FusedProjection(make(weight), [m.out_features for m in linears], split)
-            parent.register_module("_".join(n.removesuffix("_proj") for n in names), group)
-            for i, n in enumerate(names):
-                setattr(parent, n, ProjectionPart(group, i))
-            fused += 1
-    return fused
+
+    def build(linears: list[nn.Module | None]) -> nn.Module | None:
+        if not all(type(m) is nn.Linear and m.bias is None and fits(m) for m in linears):
+            return None
+        if len({m.in_features for m in linears}) != 1:
+            return None
+        return make(torch.cat([m.weight.detach() for m in linears]))
+
+    return fuse_groups(model, build, split)
 
 
 def _outputs(linear: nn.Module, x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
@@ -108,59 +124,53 @@ def fuse_bnb_4bit(model: nn.Module) -> int:
     import bitsandbytes as bnb
     from bitsandbytes.functional import QuantState
 
-    fused = 0
-    for parent in list(model.modules()):
-        for names in GROUPS:
-            linears = [getattr(parent, n, None) for n in names]
-            if not all(type(m) is bnb.nn.Linear4bit and m.bias is None for m in linears):
-                continue
-            states = [m.weight.quant_state for m in linears]
-            first = states[0]
-            if first is None or any(
-                s is None
-                or s.nested
-                or (s.blocksize, s.quant_type, s.dtype)
-                != (first.blocksize, first.quant_type, first.dtype)
-                for s in states
-            ):
-                continue
-            k = linears[0].in_features
-            if any(m.in_features != k for m in linears) or k % first.blocksize:
-                continue
-            sizes = [m.out_features for m in linears]
-            state = QuantState(
-                absmax=torch.cat([s.absmax for s in states]),
-                shape=torch.Size([sum(sizes), k]),
-                code=first.code,
-                blocksize=first.blocksize,
-                quant_type=first.quant_type,
-                dtype=first.dtype,
-            )
-            data = torch.cat([m.weight.data.reshape(-1) for m in linears]).reshape(-1, 1)
-            linear = bnb.nn.Linear4bit(
-                k,
-                sum(sizes),
-                bias=False,
-                compute_dtype=linears[0].compute_dtype,
-                compress_statistics=False,
-                quant_type=first.quant_type,
-                quant_storage=data.dtype,
-                device=data.device,
-            )
-            linear.weight = bnb.nn.Params4bit(
-                data,
-                requires_grad=False,
-                quant_state=state,
-                blocksize=first.blocksize,
-                compress_statistics=False,
-                quant_type=first.quant_type,
-                quant_storage=data.dtype,
-                module=linear,
-                bnb_quantized=True,
-            )
-            group = FusedProjection(linear, sizes, _outputs)
-            parent.register_module("_".join(n.removesuffix("_proj") for n in names), group)
-            for i, n in enumerate(names):
-                setattr(parent, n, ProjectionPart(group, i))
-            fused += 1
-    return fused
+    def build(linears: list[nn.Module | None]) -> nn.Module | None:
+        if not all(type(m) is bnb.nn.Linear4bit and m.bias is None for m in linears):
+            return None
+        states = [m.weight.quant_state for m in linears]
+        first = states[0]
+        if first is None or any(
+            s is None
+            or s.nested
+            or (s.blocksize, s.quant_type, s.dtype)
+            != (first.blocksize, first.quant_type, first.dtype)
+            for s in states
+        ):
+            return None
+        k = linears[0].in_features
+        if any(m.in_features != k for m in linears) or k % first.blocksize:
+            return None
+        n = sum(m.out_features for m in linears)
+        state = QuantState(
+            absmax=torch.cat([s.absmax for s in states]),
+            shape=torch.Size([n, k]),
+            code=first.code,
+            blocksize=first.blocksize,
+            quant_type=first.quant_type,
+            dtype=first.dtype,
+        )
+        data = torch.cat([m.weight.data.reshape(-1) for m in linears]).reshape(-1, 1)
+        linear = bnb.nn.Linear4bit(
+            k,
+            n,
+            bias=False,
+            compute_dtype=linears[0].compute_dtype,
+            compress_statistics=False,
+            quant_type=first.quant_type,
+            quant_storage=data.dtype,
+            device=data.device,
+        )
+        linear.weight = bnb.nn.Params4bit(
+            data,
+            requires_grad=False,
+            quant_state=state,
+            blocksize=first.blocksize,
+            compress_statistics=False,
+            quant_type=first.quant_type,
+            quant_storage=data.dtype,
+            module=linear,
+            bnb_quantized=True,
+        )
+        return linear
+
+    return fuse_groups(model, build, _outputs)
