@@ -34,13 +34,19 @@ def first_step_logits(engine, seqs: list[Sequence]) -> torch.Tensor:
             engine.pool.free(s.block_table)
 
 
-def decode_logits(engine, seqs: list[Sequence]) -> torch.Tensor:
-    """Prefill each alone, then run one batched decode step of all of them."""
+def prefilled(engine, seqs: list[Sequence]) -> None:
+    """Prefill each of `seqs` alone into blocks of its own (room for one more token), then
+    give it that token: each is ready for a decode step."""
     for s in seqs:
         s.block_table = engine.pool.allocate(engine.pool.blocks_for(s.num_tokens + 1))
         engine.runner.forward(StepPlan(prefills=[(s, s.num_tokens)]))
         s.num_computed = s.num_tokens
         s.token_ids.append(28)
+
+
+def decode_logits(engine, seqs: list[Sequence]) -> torch.Tensor:
+    """Prefill each alone, then run one batched decode step of all of them."""
+    prefilled(engine, seqs)
     try:
         return engine.runner.forward(StepPlan(decodes=seqs)).float()
     finally:

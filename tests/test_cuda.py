@@ -20,7 +20,12 @@ from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.model.kv_cache import kv_budget_bytes  # noqa: E402
 from engine.model.loader import LoadedModel, load_model  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
-from tests.step_logits import QUESTIONS, decode_logits, first_step_logits  # noqa: E402
+from tests.step_logits import (  # noqa: E402
+    QUESTIONS,
+    decode_logits,
+    first_step_logits,
+    prefilled,
+)
 
 PROMPTS = QUESTIONS[:6]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
@@ -114,24 +119,15 @@ def test_decode_steps_replay_cuda_graphs_bitwise_as_eager(
     are bitwise the same static step run eagerly; padded buckets reply as eager steps."""
     from dataclasses import replace
 
-    from engine.model.plan import StepPlan
-
     assert fp32_cuda.decode_buckets[-1] == EngineConfig().max_num_seqs
     engine = engine_on(fp32_cuda, tmp_path)
     engine.shutdown()  # drive the runner on this thread
-    runner, pool = engine.runner, engine.pool  # type: ignore[attr-defined]
-    static = runner.static
+    static = engine.runner.static  # type: ignore[attr-defined]
     assert static is not None and set(static.graphs) == set(fp32_cuda.decode_buckets)
     assert engine.stats().graph_bytes == static.graph_bytes > 0
-    seqs = []
+    seqs = [Sequence(ids, GREEDY) for ids in encode(fp32_cuda)[:3]]  # bucket 4: a padded row
     with torch.inference_mode():
-        for ids in encode(fp32_cuda)[:3]:  # bucket 4: one padded row
-            s = Sequence(ids, GREEDY)
-            s.block_table = pool.allocate(pool.blocks_for(len(ids) + 1))
-            runner.forward(StepPlan(prefills=[(s, len(ids))]))
-            s.num_computed = len(ids)
-            s.token_ids.append(ids[-1])
-            seqs.append(s)
+        prefilled(engine, seqs)
         replayed = static.run(seqs).clone()
         eager = static._forward(static.bucket(len(seqs)))[: len(seqs)]
     assert torch.equal(replayed, eager)

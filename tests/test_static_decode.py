@@ -21,6 +21,7 @@ from engine.model.static_decode import StaticDecode
 from engine.sequence import Sequence
 from tests.model_zoo import build
 from tests.rig import make_engine
+from tests.step_logits import prefilled
 
 pytestmark = [
     pytest.mark.skipif(not triton_attention.available(), reason="triton not installed"),
@@ -92,15 +93,12 @@ def test_padded_rows_write_only_the_scratch_block(tiny: LoadedModel, tmp_path: P
     static: StaticDecode = runner.static
     assert cache.scratch_block == pool.num_blocks  # one block past what the pool hands out
     rng = random.Random(3)
-    seqs = []
+    seqs = [
+        Sequence([rng.randrange(100, 2000) for _ in range(n)], SamplingParams())
+        for n in (5, 17, 40)
+    ]
     with torch.inference_mode():
-        for n in (5, 17, 40):
-            s = Sequence([rng.randrange(100, 2000) for _ in range(n)], SamplingParams())
-            s.block_table = pool.allocate(pool.blocks_for(n + 1))
-            runner.forward(StepPlan(prefills=[(s, n)]))
-            s.num_computed = n
-            s.token_ids.append(rng.randrange(100, 2000))
-            seqs.append(s)
+        prefilled(engine, seqs)
         assert cache.scratch_block not in {b for s in seqs for b in s.block_table}
         bs = cache.block_size
         own = [s.block_table[s.num_computed // bs] * bs + s.num_computed % bs for s in seqs]
