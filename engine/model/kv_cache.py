@@ -144,16 +144,19 @@ class KVCache:
         wait for the gather alone (after which the blocks may be written again), not for the
         copy to the host."""
         idx = self.slots(block_table, 0, num_tokens)
+
+        def gather() -> list[torch.Tensor]:  # K and V of those slots, [L, T, H_kv, D] each
+            return [self.data[i].index_select(2, idx).transpose(1, 2).contiguous() for i in (0, 1)]
+
         if self.data.device.type != "cuda":
-            k = self.data[0].index_select(2, idx).transpose(1, 2).contiguous()
-            v = self.data[1].index_select(2, idx).transpose(1, 2).contiguous()
+            k, v = gather()
             return k, v, lambda: None
         compute, side = torch.cuda.current_stream(self.data.device), self._side_stream()
         side.wait_stream(compute)  # the steps that wrote this KV
         idx.record_stream(side)  # made on the steps' stream, read on this one
         gathered, copied = torch.cuda.Event(), torch.cuda.Event()
         with torch.cuda.stream(side):
-            parts = [self.data[i].index_select(2, idx).transpose(1, 2).contiguous() for i in (0, 1)]
+            parts = gather()
             gathered.record(side)
             k, v = (torch.empty(p.shape, dtype=p.dtype, pin_memory=True) for p in parts)
             k.copy_(parts[0], non_blocking=True)
