@@ -15,11 +15,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 
-import gradio as gr
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from starlette.routing import Mount
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from api.downloads import build_download_router
@@ -29,44 +27,27 @@ from api.shares import build_share_router
 from api.starting import Starting
 from doors.browser_id import BrowserIds, secret_file
 from doors.config import AppConfig
-from doors.identity import Resolver, identity_of
+from doors.identity import Resolver
 from doors.middleware import Doors
 from doors.sign_ins import SignIns
 from doors.throttle import LoginThrottle
 from engine import Backend, CrowdchatError, EngineConfig, Startup, open_backend
 from sessions import SessionConfig, SessionManager
 from sessions.api_keys import ApiKeys
-from ui.admin_page import build_admin_blocks
-from ui.auth import UsersFile, admin_checker, users_checker
-from ui.chat_blocks import build_chat_blocks
-from ui.chat_page import ChatPage
-from ui.keys_page import KeysSection
+from ui.auth import UsersFile
 from ui.monitor import Monitor
-from ui.queue_polling import poll_less
-from ui.users_admin import UsersAdmin
 
 __all__ = ["AppConfig", "build_app", "main", "parse_args"]
 
 log = logging.getLogger("crowdchat")
-STATIC = Path(__file__).resolve().parent / "static"
-
-
-def _gradio_app(app: FastAPI, path: str) -> object:
-    """The Gradio app that `gr.mount_gradio_app` mounted at `path` (holds its sign-ins)."""
-    return next(r.app for r in app.routes if isinstance(r, Mount) and r.path == path)
-
-
-def _admin_user(request: Request) -> str | None:
-    """/admin with --auth: the signed-in user if an admin (the Doors middleware found them)."""
-    identity = identity_of(request.scope)
-    return identity.name if identity is not None and identity.admin else None
 
 
 def build_app(
     engine: Backend, sessions: SessionManager, config: AppConfig, data_dir: Path
-) -> tuple[FastAPI, Monitor]:
-    """One FastAPI server: API and metrics routes, /admin and the chat page at /, all behind
-    the Doors middleware (`app.state.doors`: its parts, for tests and operators)."""
+) -> tuple[FastAPI, Monitor | None]:
+    """One FastAPI server: API and metrics routes, and (unless --ui off) /admin and the chat
+    page at /, all behind the Doors middleware (`app.state.doors`: its parts, for tests and
+    operators). The monitor samples what the admin page shows; None with --ui off."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -78,100 +59,58 @@ def build_app(
     )
     users = UsersFile(config.auth_file) if config.auth_file else None
     keys = ApiKeys(sessions.store)
-    resolver = Resolver(users, keys, config.api_keys_file)
-    throttle = LoginThrottle(config.login_failures_per_name, config.login_failures_per_address)
-    browser_ids = BrowserIds(secret_file(data_dir / "cookie.key"), config.new_identities_per_minute)
-    sharing = config.share_links != "off"
-    app.include_router(build_router(engine, sessions, engine.model_id, sharing))
+    doors = SimpleNamespace(
+        users=users,
+        keys=keys,
+        throttle=LoginThrottle(config.login_failures_per_name, config.login_failures_per_address),
+        browser_ids=BrowserIds(
+            secret_file(data_dir / "cookie.key"), config.new_identities_per_minute
+        ),
+        resolver=Resolver(users, keys, config.api_keys_file),
+        sharing=config.share_links != "off",
+        sign_ins=SignIns(config.sign_in_hours * 3600),
+    )
+    app.include_router(build_router(engine, sessions, engine.model_id, doors.sharing))
     app.include_router(build_metrics_router(engine, sessions))
     app.include_router(build_download_router(sessions))  # the chat page's export links
-    app.include_router(build_share_router(sessions, sharing))  # share links' readers
-    monitor = Monitor(engine, sessions)
-    css = [STATIC / "crowdchat.css"]
-    admin_password = config.admin_secret()
-    admin_look = {"css_paths": css, "theme": "soft", "show_error": False}
-    if users is not None and admin_password:
-        log.warning("the admin password is ignored with --auth: /admin is for admin users")
-    if users is not None:  # admins are users with the admin role, signed in on the chat page
-        app = gr.mount_gradio_app(
-            app,
-            build_admin_blocks(monitor, sessions, UsersAdmin(users, keys, sessions)),
-            path="/admin",
-            auth_dependency=_admin_user,
-            **admin_look,
-        )
-    elif admin_password:
-        app = gr.mount_gradio_app(
-            app,
-            build_admin_blocks(monitor, sessions),
-            path="/admin",
-            auth=throttle.guard(admin_checker(admin_password)),
-            auth_message="crowdchat admin: user 'admin'",
-            **admin_look,
-        )
+    app.include_router(build_share_router(sessions, doors.sharing))  # share links' readers
+    monitor: Monitor | None = None
+    if config.ui == "on":
+        from ui.pages import mount_pages  # Gradio: imported only where the pages are served
+
+        app, monitor = mount_pages(app, engine, sessions, config, doors)
     else:
-
-        @app.get("/admin")
-        @app.get("/admin/{rest:path}")
-        def admin_disabled(rest: str = "") -> PlainTextResponse:
-            return PlainTextResponse(
-                "the admin page is disabled: start the server with --admin-password "
-                "(or CROWDCHAT_ADMIN_PASSWORD, or --admin-password-file), or --auth",
-                status_code=404,
-            )
-
-    page = ChatPage(
-        sessions,
-        auth_enabled=users is not None,
-        browser_ids=browser_ids,
-    )
-    section = KeysSection(keys, page) if users is not None else None
-    chat = build_chat_blocks(
-        page, concurrency=engine.max_num_seqs, keys=section, share_links=sharing
-    )
-    chat.queue(
-        default_concurrency_limit=engine.max_num_seqs,
-        max_size=engine.max_queue + engine.max_num_seqs,
-    )
-    poll_less(chat)
-    app = gr.mount_gradio_app(
-        app,
-        chat,
-        path="",
-        css_paths=css,
-        theme="soft",
-        show_error=False,
-        auth=(
-            throttle.guard(users_checker(users, sessions.store.users.signed_in))
-            if users is not None
-            else None
-        ),
-        max_file_size=int(sessions.config.max_import_mb * 1e6),  # uploads: imports only
-    )
-    resolver.gradio = _gradio_app(app, "")
-    # Gradio's sign-ins never end by themselves: each gets an age limit (doors/sign_ins.py)
-    max_age = config.sign_in_hours * 3600
-    sign_ins = SignIns(max_age, users.password_of) if users is not None else SignIns(max_age)
-    resolver.gradio.tokens = sign_ins  # type: ignore[attr-defined]
-    if users is None and admin_password:  # the admin page's own sign-in
-        _gradio_app(app, "/admin").tokens = SignIns(max_age)  # type: ignore[attr-defined]
+        _api_only_pages(app, engine.model_id)
     app.add_middleware(
         Doors,
         config=config,
-        resolver=resolver,
-        browser_ids=browser_ids,
+        resolver=doors.resolver,
+        browser_ids=doors.browser_ids,
         max_import_bytes=int(sessions.config.max_import_mb * 1e6),
     )
     if config.proxies():  # outside Doors: the client it sees is the forwarded one
         app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=config.proxies())
-    app.state.doors = SimpleNamespace(
-        keys=keys,
-        throttle=throttle,
-        browser_ids=browser_ids,
-        resolver=resolver,
-        sign_ins=sign_ins,
-    )
+    app.state.doors = doors
     return app, monitor
+
+
+def _api_only_pages(app: FastAPI, model_id: str) -> None:
+    """What --ui off answers at / and /admin: where the API is, and that the pages are off."""
+
+    @app.get("/")
+    def api_home() -> PlainTextResponse:
+        return PlainTextResponse(
+            f"crowdchat API server (--ui off), model {model_id}: POST /v1/chat/completions, "
+            "GET /v1/models, GET /metrics\n"
+        )
+
+    @app.get("/admin")
+    @app.get("/admin/{rest:path}")
+    def admin_off(rest: str = "") -> PlainTextResponse:
+        return PlainTextResponse(
+            "the admin page is off (--ui off): the server's figures are at /metrics",
+            status_code=404,
+        )
 
 
 def cap_malloc_arenas(arenas: int = 2) -> None:
@@ -224,8 +163,11 @@ class Opening:
             startup.finish()
             c = self.app_config
             url = f"http://{c.host}:{c.port}"
-            admin = f" · admin on {url}/admin" if c.auth_file or c.admin_secret() else ""
-            print(f"crowdchat: chat on {url}/{admin}", flush=True)
+            if c.ui == "off":
+                print(f"crowdchat: API on {url}/v1 (--ui off: no chat or admin page)", flush=True)
+            else:
+                admin = f" · admin on {url}/admin" if c.auth_file or c.admin_secret() else ""
+                print(f"crowdchat: chat on {url}/{admin}", flush=True)
         except BaseException as e:  # noqa: BLE001 - the server stops, main() says why
             self.error = e
             startup.fail(str(e))

@@ -11,6 +11,7 @@ from engine.errors import InvalidRequest
 from engine.settings import Settings, setting
 
 SHARE_LINKS = ("signed-in", "public", "off")
+UI_CHOICES = ("on", "off")
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,13 @@ class AppConfig(Settings):
         "link), off (no links are made or shown)",
         choices=SHARE_LINKS,
     )
+    ui: str = setting(
+        "on",
+        "on: the chat page at / and the admin page at /admin (Gradio); off: an API server "
+        "(as `vllm serve`): the OpenAI API, /metrics, export and share links only, Gradio "
+        "never imported",
+        choices=UI_CHOICES,
+    )
     max_body_bytes: int = setting(1 << 20, "largest accepted request body; beyond: HTTP 413")
     new_identities_per_minute: int = setting(
         20, "new anonymous browser identities per client address per minute; beyond: HTTP 429"
@@ -80,6 +88,7 @@ class AppConfig(Settings):
 
         need(bool(self.host.strip()), "--host must not be empty")
         need(self.share_links in SHARE_LINKS, f"--share-links must be one of {SHARE_LINKS}")
+        need(self.ui in UI_CHOICES, f"--ui must be one of {UI_CHOICES}")
         need(1 <= self.port <= 65535, f"--port must be in 1..65535, not {self.port}")
         for name, what in (
             ("auth_file", "--auth users file"),

@@ -26,9 +26,10 @@ def test_a_gradio_without_the_settings_keeps_its_own() -> None:
 
 
 def test_the_servers_chat_and_admin_pages_poll_less(nf4_model, tmp_path) -> None:
-    from app import AppConfig, _gradio_app, build_app
+    from app import AppConfig, build_app
     from tests.conftest import close_sessions, make_sessions
     from tests.web import ADMIN_PASSWORD
+    from ui.pages import gradio_app
 
     engine, sessions = make_sessions(nf4_model, tmp_path)
     try:
@@ -37,7 +38,7 @@ def test_the_servers_chat_and_admin_pages_poll_less(nf4_model, tmp_path) -> None
         )
         monitor.stop()
         for path in ("", "/admin"):
-            queue = _gradio_app(app, path).get_blocks()._queue
+            queue = gradio_app(app, path).get_blocks()._queue
             assert queue.sleep_when_free == IDLE_POLL_S, path
             assert queue.progress_update_sleep_when_free == PROGRESS_POLL_S, path
     finally:

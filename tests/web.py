@@ -70,5 +70,6 @@ def running_server(
     finally:
         server.should_exit = True
         thread.join(10)
-        monitor.stop()
+        if monitor is not None:
+            monitor.stop()
         close_sessions(engine, sm)

@@ -1,0 +1,120 @@
+"""The Gradio pages of the server: /admin and the chat page at /. `app.build_app` mounts them
+unless --ui off, so that an API-only server never imports Gradio."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import gradio as gr
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse
+from starlette.routing import Mount
+
+from doors.config import AppConfig
+from doors.identity import identity_of
+from doors.sign_ins import SignIns
+from engine import Backend
+from sessions import SessionManager
+from ui.admin_page import build_admin_blocks
+from ui.auth import admin_checker, users_checker
+from ui.chat_blocks import build_chat_blocks
+from ui.chat_page import ChatPage
+from ui.keys_page import KeysSection
+from ui.monitor import Monitor
+from ui.queue_polling import poll_less
+from ui.users_admin import UsersAdmin
+
+log = logging.getLogger("crowdchat")
+STATIC = Path(__file__).resolve().parent.parent / "static"
+
+
+def gradio_app(app: FastAPI, path: str) -> object:
+    """The Gradio app that `gr.mount_gradio_app` mounted at `path` (holds its sign-ins)."""
+    return next(r.app for r in app.routes if isinstance(r, Mount) and r.path == path)
+
+
+def _admin_user(request: Request) -> str | None:
+    """/admin with --auth: the signed-in user if an admin (the Doors middleware found them)."""
+    identity = identity_of(request.scope)
+    return identity.name if identity is not None and identity.admin else None
+
+
+def mount_pages(
+    app: FastAPI,
+    engine: Backend,
+    sessions: SessionManager,
+    config: AppConfig,
+    doors: SimpleNamespace,
+) -> tuple[FastAPI, Monitor]:
+    """`app` with the admin page and the chat page mounted; `doors` (users, keys, throttle,
+    browser_ids, resolver, sharing) gets the chat page's sign-ins as `sign_ins`."""
+    users, keys, throttle = doors.users, doors.keys, doors.throttle
+    monitor = Monitor(engine, sessions)
+    css = [STATIC / "crowdchat.css"]
+    admin_password = config.admin_secret()
+    admin_look = {"css_paths": css, "theme": "soft", "show_error": False}
+    if users is not None and admin_password:
+        log.warning("the admin password is ignored with --auth: /admin is for admin users")
+    if users is not None:  # admins are users with the admin role, signed in on the chat page
+        app = gr.mount_gradio_app(
+            app,
+            build_admin_blocks(monitor, sessions, UsersAdmin(users, keys, sessions)),
+            path="/admin",
+            auth_dependency=_admin_user,
+            **admin_look,
+        )
+    elif admin_password:
+        app = gr.mount_gradio_app(
+            app,
+            build_admin_blocks(monitor, sessions),
+            path="/admin",
+            auth=throttle.guard(admin_checker(admin_password)),
+            auth_message="crowdchat admin: user 'admin'",
+            **admin_look,
+        )
+    else:
+
+        @app.get("/admin")
+        @app.get("/admin/{rest:path}")
+        def admin_disabled(rest: str = "") -> PlainTextResponse:
+            return PlainTextResponse(
+                "the admin page is disabled: start the server with --admin-password "
+                "(or CROWDCHAT_ADMIN_PASSWORD, or --admin-password-file), or --auth",
+                status_code=404,
+            )
+
+    page = ChatPage(sessions, auth_enabled=users is not None, browser_ids=doors.browser_ids)
+    section = KeysSection(keys, page) if users is not None else None
+    chat = build_chat_blocks(
+        page, concurrency=engine.max_num_seqs, keys=section, share_links=doors.sharing
+    )
+    chat.queue(
+        default_concurrency_limit=engine.max_num_seqs,
+        max_size=engine.max_queue + engine.max_num_seqs,
+    )
+    poll_less(chat)
+    app = gr.mount_gradio_app(
+        app,
+        chat,
+        path="",
+        css_paths=css,
+        theme="soft",
+        show_error=False,
+        auth=(
+            throttle.guard(users_checker(users, sessions.store.users.signed_in))
+            if users is not None
+            else None
+        ),
+        max_file_size=int(sessions.config.max_import_mb * 1e6),  # uploads: imports only
+    )
+    doors.resolver.gradio = gradio_app(app, "")
+    # Gradio's sign-ins never end by themselves: each gets an age limit (doors/sign_ins.py)
+    max_age = config.sign_in_hours * 3600
+    sign_ins = SignIns(max_age, users.password_of) if users is not None else SignIns(max_age)
+    doors.resolver.gradio.tokens = sign_ins
+    if users is None and admin_password:  # the admin page's own sign-in
+        gradio_app(app, "/admin").tokens = SignIns(max_age)  # type: ignore[attr-defined]
+    doors.sign_ins = sign_ins
+    return app, monitor
