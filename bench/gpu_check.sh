@@ -10,6 +10,8 @@
 # `python bench/admin_snapshot.py --render admin.html admin.png`).
 # Figures come from a random-weight SmolLM2-135M (bench/random_model.py): same shapes and
 # speed as the real model with EOS ignored; label them "random weights".
+# GPU_CHECK_SMOKE=1 runs every step on this machine's CPU at toy sizes (no larger shapes): a
+# rehearsal that each step's command works, before the GPU's few minutes are spent on it.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/gpu-check-out}
@@ -17,6 +19,13 @@ mkdir -p "$OUT"
 BUDGET=${GPU_CHECK_BUDGET_S:-470}
 T0=$(date +%s)
 PY=${PYTHON:-python3}
+if [ "${GPU_CHECK_SMOKE:-0}" = 1 ]; then
+  DEV=cpu USERS=1,2 EAGER_USERS=1,2 HTTP_USERS=1,2 BATCH=2 NEW=8 SHAPES="" LENGTHS=200
+  MIXED=(--short-users 2 --new-tokens 24 --long-tokens 300 --long-new-tokens 4 --alone-seconds 2)
+else
+  DEV=cuda USERS=1,8,32,64,128 EAGER_USERS=1,8,32,64,128 HTTP_USERS=1,32 BATCH=32 NEW=64
+  SHAPES="llama-3.2-1b llama-3.1-8b" LENGTHS=500,2000 MIXED=()
+fi
 SITE=${GPU_CHECK_SITE:-/tmp/crowdchat-site}
 DATA=/tmp/crowdchat-gpu-data
 MODEL=${CROWDCHAT_CUDA_MODEL:-/tmp/crowdchat-random-smollm2}
@@ -108,6 +117,20 @@ for r in rows:
         s["test_failures"] = r.get("failures", [])
     elif res:
         s[name] = res
+
+
+def ratio(a, b):
+    return round(a / b, 2) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+tp, eager = s.get("throughput", {}), s.get("throughput_eager", {})
+http, hf = s.get("http", {}), s.get("hf_generate", {})
+s["ratios"] = {  # the issue's targets, each from this run
+    "graphs_over_eager_1_user": ratio(tp.get("users_1_tokens_per_s"), eager.get("users_1_tokens_per_s")),
+    "http_over_in_process_32_users": ratio(http.get("users_32_tokens_per_s"), tp.get("users_32_tokens_per_s")),
+    "over_static_cache_generate_32": ratio(tp.get("users_32_tokens_per_s"), hf.get("static_tokens_per_s")),
+    "over_generate_batch_32": ratio(tp.get("users_32_tokens_per_s"), hf.get("continuous_tokens_per_s")),
+}
 print(json.dumps(s))
 PY
 }
@@ -122,11 +145,13 @@ try:
 except Exception:
     old = True
 print(int(old and sys.version_info[:2] == (3, 12)))' 2>/dev/null)
-for w in .gpu/wheels/*.whl; do
-  case $w in */regex-*) [ "$old_regex" = 1 ] || continue ;; esac
-  [ -f "$w" ] && "$PY" -m zipfile -e "$w" "$SITE" >>"$LOG" 2>&1
-done
-[ -d .gpu/site ] && cp -r .gpu/site/. "$SITE"/
+if [ "$DEV" = cuda ]; then  # a smoke run uses this machine's own packages
+  for w in .gpu/wheels/*.whl; do
+    case $w in */regex-*) [ "$old_regex" = 1 ] || continue ;; esac
+    [ -f "$w" ] && "$PY" -m zipfile -e "$w" "$SITE" >>"$LOG" 2>&1
+  done
+  [ -d .gpu/site ] && cp -r .gpu/site/. "$SITE"/
+fi
 export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 step env 90 "$PY" -c '
@@ -150,46 +175,51 @@ except Exception as e:
     row["bnb_error"] = repr(e)[:300]
 print(json.dumps(row))'
 
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if [ "$DEV" = cuda ] &&
+  ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   echo '{"cuda": false, "note": "no CUDA: GPU steps skipped"}' | tee -a "$JSONL"
   echo "no CUDA: skipping the GPU steps" >&2
   finish
   exit 0
 fi
 
-step nvidia_smi 20 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version \
+[ "$DEV" = cuda ] && step nvidia_smi 20 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version \
   --format=csv,noheader
 step random_model 90 "$PY" bench/random_model.py "$MODEL"
 step tests 150 "$PY" -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py \
   tests/test_triton_attention.py
-step throughput 120 "$PY" bench/throughput.py --device cuda --model "$MODEL" --data-dir "$DATA" \
-  --users 1,8,32,64 --sequential-requests 2
+step throughput 120 "$PY" bench/throughput.py --device $DEV --model "$MODEL" --data-dir "$DATA" \
+  --users $USERS --new-tokens $NEW --sequential-requests 2
 # the same with every step eager (no CUDA graphs: vLLM's --enforce-eager)
-step throughput_eager 90 "$PY" bench/throughput.py --device cuda --model "$MODEL" \
-  --data-dir "$DATA" --users 1,32 --sequential-requests 1 --cuda-graph-rows 0
-# and with the decode attention gathered for SDPA (the path before the Triton kernel)
-step throughput_gather 90 "$PY" bench/throughput.py --device cuda --model "$MODEL" \
-  --data-dir "$DATA" --users 1,32 --sequential-requests 1 --cuda-attention gather
-step admin 75 "$PY" bench/admin_snapshot.py --device cuda --model "$MODEL" --data-dir "$DATA" \
+step throughput_eager 100 "$PY" bench/throughput.py --device $DEV --model "$MODEL" \
+  --data-dir "$DATA" --users $EAGER_USERS --new-tokens $NEW --sequential-requests 1 \
+  --cuda-graph-rows 0
+# users over HTTP: the API server (no Gradio on the GPU box), streamed chats of 2 turns
+step http 120 "$PY" bench/load.py --users $HTTP_USERS --turns 2 --new-tokens $NEW \
+  --server-args "--ui off --device $DEV --model $MODEL"
+# transformers' own: generate with a static cache (compiled by transformers) and generate_batch
+step hf_generate 150 "$PY" bench/hf_generate.py --device $DEV --model "$MODEL" \
+  --data-dir "$DATA" --batch $BATCH --new-tokens $NEW
+step admin 75 "$PY" bench/admin_snapshot.py --device $DEV --model "$MODEL" --data-dir "$DATA" \
   --out "$OUT"
-step restore 100 "$PY" bench/restore.py --device cuda --model "$MODEL" --data-dir "$DATA" \
-  --lengths 500,2000 --repeats 1
-if [ -f bench/mixed.py ]; then
-  step mixed 100 "$PY" bench/mixed.py --model "$MODEL" --device cuda --data-dir "$DATA"
-else
-  echo '{"step": "mixed", "rc": "skipped", "ok": true, "why": "bench/mixed.py absent"}' |
-    tee -a "$JSONL"
-fi
-step throughput_bf16 60 "$PY" bench/throughput.py --device cuda --model "$MODEL" \
-  --data-dir "$DATA" --quant none --users 1,32 --sequential-requests 1
+step restore 100 "$PY" bench/restore.py --device $DEV --model "$MODEL" --data-dir "$DATA" \
+  --lengths $LENGTHS --repeats 1
+step mixed 100 "$PY" bench/mixed.py --model "$MODEL" --device $DEV --data-dir "$DATA" \
+  ${MIXED[@]+"${MIXED[@]}"}
+# the decode attention gathered for SDPA (the path before the Triton kernel)
+step throughput_gather 90 "$PY" bench/throughput.py --device $DEV --model "$MODEL" \
+  --data-dir "$DATA" --users 1,32 --new-tokens $NEW --sequential-requests 1 \
+  --cuda-attention gather
+step throughput_bf16 60 "$PY" bench/throughput.py --device $DEV --model "$MODEL" \
+  --data-dir "$DATA" --quant none --users 1,32 --new-tokens $NEW --sequential-requests 1
 # larger Llama shapes (random weights over SmolLM2's tokenizer: bench/random_model.py), nf4,
 # drawn on the GPU; contexts capped at 8,192 as a serving config would
-for shape in llama-3.2-1b llama-3.1-8b; do
+for shape in $SHAPES; do
   dir=/tmp/crowdchat-random-$shape
   step "random_$shape" 150 "$PY" bench/random_model.py "$dir" --shape "$shape" --device cuda
   step "throughput_$shape" 150 "$PY" bench/throughput.py --device cuda --model "$dir" \
     --data-dir "$DATA" --max-model-len 8192 --users 1,32,64 --sequential-requests 1
 done
-step restore_llama-3.1-8b 120 "$PY" bench/restore.py --device cuda \
+[ -n "$SHAPES" ] && step restore_llama-3.1-8b 120 "$PY" bench/restore.py --device cuda \
   --model /tmp/crowdchat-random-llama-3.1-8b --data-dir "$DATA" --lengths 2000 --repeats 1
 finish

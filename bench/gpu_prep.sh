@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs HERE (a machine with internet), never on the GPU machine: fills the git-ignored folder
 # .gpu/ with what the CUDA machine lacks, so that `bench/gpu_check.sh` can run there offline.
-#   .gpu/wheels/          wheels (transformers 5.24, sqlite-utils and its two deps, regex)
+#   .gpu/wheels/          wheels (transformers 5.24, sqlite-utils and its two deps, regex, and
+#                         the API server's fastapi, starlette, pydantic, uvicorn, orjson)
 #   .gpu/site/            bitsandbytes unpacked, with only the CUDA 13 and CPU native libraries
 #                         (the whole wheel is 43 MB; the device runs torch 2.11+cu130)
 #   .gpu/smollm2-config/  SmolLM2-135M-Instruct's config.json + tokenizer files, for
@@ -15,8 +16,9 @@ TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
 for repo in . /work/main; do  # keep .gpu/ out of git wherever the device tool may send it
-  ex=$(git -C "$repo" rev-parse --git-common-dir 2>/dev/null)/info/exclude || continue
-  [ -f "$ex" ] && ! grep -qx '/.gpu/' "$ex" && echo '/.gpu/' >>"$ex"
+  dir=$(git -C "$repo" rev-parse --path-format=absolute --git-common-dir 2>/dev/null) || continue
+  mkdir -p "$dir/info" && touch "$dir/info/exclude"
+  grep -qx '/.gpu/' "$dir/info/exclude" || echo '/.gpu/' >>"$dir/info/exclude"
 done
 git check-ignore -q "$DEST/x" || { echo "error: .gpu/ is not git-ignored here" >&2; exit 1; }
 
@@ -31,13 +33,17 @@ done
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${plat[@]}" -d "$TMP" \
   transformers==5.24.0 bitsandbytes==0.50.2 sqlite-utils==4.2.1 sqlite-fts4==1.0.3 \
-  click-default-group==1.2.4 regex==2026.11.19 2>&1 | grep -v "is ignored: it is neither" || true
+  click-default-group==1.2.4 regex==2026.11.19 \
+  fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 \
+  annotated-types==0.8.0 typing-inspection==0.4.5 uvicorn==0.55.0 orjson==3.13.0 \
+  2>&1 | grep -v "is ignored: it is neither" || true
 # regex: transformers checks regex>=2025.10.22 at import and the device's version is unknown.
 # The device already has: tokenizers, huggingface-hub, safetensors 0.8, accelerate,
 # prometheus-client, psutil, numpy, pandas, click, pluggy, tabulate, python-dateutil (KINDS.md).
 # gguf is not needed: the random model is a plain safetensors directory.
-mv "$TMP"/transformers-*.whl "$TMP"/sqlite_utils-*.whl "$TMP"/sqlite_fts4-*.whl \
-  "$TMP"/click_default_group-*.whl "$TMP"/regex-*.whl "$DEST/wheels/"
+# fastapi ... orjson: the API server (app.py --ui off) for gpu_check's HTTP step; Gradio (the
+# pages) is too large to carry and --ui off never imports it.
+find "$TMP" -maxdepth 1 -name '*.whl' ! -name 'bitsandbytes-*' -exec mv {} "$DEST/wheels/" \;
 
 # bitsandbytes: python files + dist-info (transformers checks its version) + the libraries the
 # device can load (cuda130 for torch 2.11+cu130, cuda132 in case its runtime is newer, cpu).
