@@ -98,7 +98,9 @@ class StaticDecode:
             self.staged[f * rows + first : (f + 1) * rows] = value
 
     def _fill(self, decodes: list[Sequence]) -> None:
-        """The step's rows into the host buffer, then one copy to the device."""
+        """The step's rows into the host buffer, then one copy to the device: the fields of
+        every row and the table rows of `decodes` only (a prefix of the flat buffer; padding
+        rows have no context, so their table rows are never read)."""
         rows, bs, staged = self.max_rows, self.block_size, self.staged
         table = staged[FIELDS * rows :].reshape(rows, self.width)
         for i, s in enumerate(decodes):
@@ -110,7 +112,8 @@ class StaticDecode:
             staged[3 * rows + i] = p + 1
             table[i, :nblk] = np.asarray(s.block_table[:nblk], dtype=np.int64)
         self._pad(len(decodes))
-        self.flat.copy_(self.host, non_blocking=True)
+        used = FIELDS * rows + len(decodes) * self.width
+        self.flat[:used].copy_(self.host[:used], non_blocking=True)
 
     def _forward(self, b: int) -> torch.Tensor:
         """The lean forward over the first `b` rows of the buffers: logits [b, V]."""
