@@ -80,6 +80,8 @@ def build_app(
 
         app, monitor = mount_pages(app, engine, sessions, config, doors)
     else:
+        if config.admin_secret():
+            log.warning("the admin password is unused with --ui off: there is no admin page")
         _api_only_pages(app, engine.model_id)
     app.add_middleware(
         Doors,

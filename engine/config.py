@@ -83,7 +83,7 @@ class EngineConfig(Settings):
         None,
         "CUDA: steps of up to this many decodes replay a captured CUDA graph, padded to a "
         "bucket (1, 2, 4, 8, 16, 24, 32, 48, 64, ...); off: up to --max-num-seqs; 0: no graphs, "
-        "every step eager (vLLM's --enforce-eager)",
+        "every step eager (vLLM's --enforce-eager), as always with --quant int8",
     )
     max_model_len: int | None = setting(
         None, "tokens per sequence, also capped by the pool (off: the model's context)"

@@ -15,7 +15,7 @@ import torch
 from engine import Engine, EngineConfig, SamplingParams
 from engine.chat_format import ChatFormatter
 from engine.kernels import triton_attention
-from engine.model.loader import LoadedModel, graph_buckets, load_model
+from engine.model.loader import LoadedModel, decode_buckets, graph_buckets, load_model
 from engine.model.plan import StepPlan
 from engine.model.static_decode import StaticDecode
 from engine.sequence import Sequence
@@ -48,6 +48,14 @@ def test_the_buckets_follow_the_setting() -> None:
     assert graph_buckets(40) == (1, 2, 4, 8, 16, 24, 32, 40)
     with pytest.raises(Exception, match="cuda-graph-rows"):
         EngineConfig(cuda_graph_rows=-1)
+    # what a load gets: up to --max-num-seqs, capped by --cuda-graph-rows; only where the
+    # Triton kernel attends; never for bitsandbytes int8 (not capturable: eager)
+    assert decode_buckets(EngineConfig(max_num_seqs=24), "triton") == (1, 2, 4, 8, 16, 24)
+    assert decode_buckets(EngineConfig(cuda_graph_rows=4), "triton") == (1, 2, 4)
+    assert decode_buckets(EngineConfig(cuda_graph_rows=0), "triton") == ()
+    assert decode_buckets(EngineConfig(), "gather") == ()
+    assert decode_buckets(EngineConfig(quant="int8"), "triton") == ()
+    assert decode_buckets(EngineConfig(quant="nf4"), "triton")[-1] == 64
 
 
 def test_static_steps_reply_as_dynamic_ones_token_for_token(tiny: LoadedModel, tmp_path: Path):

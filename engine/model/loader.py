@@ -103,6 +103,21 @@ def graph_buckets(max_rows: int) -> tuple[int, ...]:
     return tuple(b for b in GRAPH_BUCKETS if b < max_rows) + (max_rows,)
 
 
+def decode_buckets(config: EngineConfig, cuda_attention: str) -> tuple[int, ...]:
+    """The graph buckets of a load: up to --cuda-graph-rows (else --max-num-seqs) where the
+    Triton kernel attends; none with --quant int8 (bitsandbytes' 8-bit matmul syncs with the
+    host and cannot be captured: every step runs eager)."""
+    if cuda_attention != "triton":
+        return ()
+    if config.quant == "int8":
+        log.info("--quant int8: no CUDA graphs (bitsandbytes' 8-bit matmul cannot be captured)")
+        return ()
+    rows = config.max_num_seqs
+    if config.cuda_graph_rows is not None:
+        rows = min(rows, config.cuda_graph_rows)
+    return graph_buckets(rows)
+
+
 def resolve_device(name: str) -> torch.device:
     """`auto` picks CUDA when present; asking for CUDA without one is an operator error."""
     if name == "auto":
@@ -215,9 +230,6 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
     if device.type == "cuda":
         triton = config.cuda_attention == "triton" and triton_attention.available()
         cuda_attention = "triton" if triton and needs_general(mc) is None else "gather"
-    graph_rows = config.max_num_seqs
-    if config.cuda_graph_rows is not None:
-        graph_rows = min(graph_rows, config.cuda_graph_rows)
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -239,7 +251,7 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
         + (f" kernels={cpu_kernels.isa()}" if device.type == "cpu" else "")
         + (f" attention={cuda_attention}" if cuda_attention else ""),
         cuda_attention=cuda_attention,
-        decode_buckets=graph_buckets(graph_rows) if cuda_attention == "triton" else (),
+        decode_buckets=decode_buckets(config, cuda_attention),
     )
     log.info(
         "loaded %s (%s via %s, %s) on %s: %.1f MB of weights",
