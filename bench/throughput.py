@@ -128,6 +128,7 @@ def main() -> None:
     print(json.dumps({"baseline": "static_batch_32_generate", "tokens_per_s": round(static, 2)}))
 
     engine = Engine(config, loaded)
+    graph_mb = round(engine.stats().graph_bytes / 2**20, 1)  # 0: every step eager
     try:
         run_engine(engine, prompts[:4], 8)  # warm-up
         points = {}
@@ -148,6 +149,11 @@ def main() -> None:
         "weights": "random" if is_random(config.model) else "real",
         "quant": config.quant,
         "dtype": dtype_name(loaded.dtype),
+        **(
+            {"cuda_attention": loaded.cuda_attention, "cuda_graphs_mb": graph_mb}
+            if loaded.device.type == "cuda"
+            else {}
+        ),
         **{f"users_{n}_tokens_per_s": p["tokens_per_s"] for n, p in points.items()},
         "sequential_tokens_per_s": round(sequential, 2),
         "static_batch_32_tokens_per_s": round(static, 2),

@@ -124,3 +124,30 @@ def test_padded_rows_write_only_the_scratch_block(tiny: LoadedModel, tmp_path: P
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_failed_capture_leaves_every_step_eager(
+    tiny: LoadedModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Capture that fails (here the CPU, which has no CUDA graphs; on a GPU a kernel that
+    cannot be captured) is said in the log and the engine serves on, every step eager."""
+    fmt = ChatFormatter(tiny.tokenizer)
+    ids = fmt.encode([{"role": "user", "content": "Hi!"}])
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    engine = engine_for(tiny, tmp_path)
+    try:
+        want = engine.generate([ids], params)
+    finally:
+        engine.shutdown()
+    engine = engine_for(tiny, tmp_path)
+    runner = engine.runner  # type: ignore[attr-defined]
+    assert runner.static is not None
+    with caplog.at_level("WARNING", logger="engine.model.runner"):
+        runner._capture()  # the engine thread is idle: nothing steps meanwhile
+    try:
+        assert runner.static is None and runner.graph_bytes == 0
+        assert any("every step runs eager" in r.getMessage() for r in caplog.records)
+        assert engine.generate([ids], params) == want
+    finally:
+        engine.check_integrity()
+        engine.shutdown()

@@ -77,6 +77,20 @@ def test_decode_attention_equals_the_reference(seed: int) -> None:
         torch.testing.assert_close(got.double().cpu(), want, rtol=2e-4, atol=2e-5)
 
 
+def test_the_kernel_checks_itself_where_it_runs() -> None:
+    """The loader's start-up check: the kernel against dense attention on the device, for the
+    model's dtypes, head size and GQA group; a failure to build or run is an answer (the
+    loader then gathers for SDPA), not a crash."""
+    for dtype, kv_dtype, d, group in (
+        (torch.float32, torch.bfloat16, 64, 3),
+        (torch.float32, torch.float32, 48, 1),
+        (torch.float16, torch.float16, 128, 4),
+    ):
+        assert triton_attention.self_check(torch.device(DEVICE), dtype, kv_dtype, d, group) is None
+    why = triton_attention.self_check(torch.device("meta"), torch.float32, torch.float32, 64, 1)
+    assert isinstance(why, str) and why
+
+
 def test_prefill_chunk_after_cached_tokens_is_causal() -> None:
     """Token i of a chunk after `cached` tokens sees exactly cached + i + 1 tokens."""
     gen = torch.Generator().manual_seed(7)

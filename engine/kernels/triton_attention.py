@@ -165,6 +165,35 @@ def paged_decode_attention(
     return _merge(m, total, acc)
 
 
+def self_check(
+    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, group: int
+) -> str | None:
+    """Runs the decode kernel once on a tiny pool on `device` (queries `dtype`, pool
+    `kv_dtype`, the model's head size and GQA group) against dense softmax attention: None
+    when it agrees, else why not. A GPU whose Triton cannot build or run the kernel then
+    starts on the gathered attention instead of failing (engine.model.loader)."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        bs, blocks = 16, 4
+        k, v = (torch.randn(1, blocks * bs, head_dim, generator=gen).to(kv_dtype) for _ in "kv")
+        q = torch.randn(2, group, head_dim, generator=gen).to(dtype)
+        table, lens = torch.tensor([[2, 0], [1, 3]]), torch.tensor([bs + 3, 2 * bs])
+        scale = head_dim**-0.5
+        got = paged_decode_attention(
+            q.to(device), k.to(device), v.to(device), table.to(device), lens.to(device), bs, scale
+        ).cpu()
+        for r in range(2):
+            slots = torch.cat([torch.arange(bs) + int(b) * bs for b in table[r]])[: lens[r]]
+            kr, vr = k[0, slots].float(), v[0, slots].float()
+            want = ((q[r].float() @ kr.T) * scale).softmax(-1) @ vr  # [group, D]
+            err = float((got[r] - want).abs().max())
+            if not err <= 2e-2:  # the pool's own rounding is far below; NaN fails too
+                return f"off by {err:.3g} from dense attention"
+    except Exception as e:  # noqa: BLE001 - any failure to build or run is the answer
+        return f"{type(e).__name__}: {e}"[:300]
+    return None
+
+
 def paged_prefill_attention(
     q: torch.Tensor,  # [n, H, D]: a chunk's tokens, after `cached` tokens of its sequence
     k_cache: torch.Tensor,

@@ -226,10 +226,19 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
             )
     mc = model.config
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    kv_heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
+    kv_dtype = resolve_kv_dtype(config.kv_dtype, dtype, torch_kernels)
     cuda_attention = ""
     if device.type == "cuda":
         triton = config.cuda_attention == "triton" and triton_attention.available()
         cuda_attention = "triton" if triton and needs_general(mc) is None else "gather"
+        group = mc.num_attention_heads // kv_heads
+        why = cuda_attention == "triton" and triton_attention.self_check(
+            device, dtype, kv_dtype, head_dim, group
+        )
+        if why:
+            log.warning("the Triton attention kernel failed its check (%s): gathered instead", why)
+            cuda_attention = "gather"
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -239,10 +248,10 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
         kernel=kernel,
         device=device,
         dtype=dtype,
-        kv_dtype=resolve_kv_dtype(config.kv_dtype, dtype, torch_kernels),
+        kv_dtype=kv_dtype,
         model_bytes=model.get_memory_footprint() + quantize.dense_copy_bytes(model),
         num_layers=mc.num_hidden_layers,
-        num_kv_heads=getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads,
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
         max_position=getattr(mc, "max_position_embeddings", 2048),
         config_hash=config_hash(directory / "config.json"),

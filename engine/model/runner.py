@@ -107,7 +107,7 @@ class ModelRunner:
         ):
             self.static = StaticDecode(self.lean, cache, loaded.decode_buckets, loaded.max_position)
             if self.device.type == "cuda":
-                self.static.capture()
+                self._capture()
         arch = (getattr(self.model.config, "architectures", None) or ["?"])[0]
         if self.lean is not None:
             log.info("%s: the fast path (a flat Llama forward, crowdchat's kernels)", arch)
@@ -190,6 +190,17 @@ class ModelRunner:
             prefill_kernel=self.prefill_kernel,
         )
         return meta, ids, pos, logit_rows
+
+    def _capture(self) -> None:
+        """The static step's CUDA graphs; where capture fails (a kernel that cannot be captured
+        on this GPU), steps run as they would with --cuda-graph-rows 0, said in the log."""
+        assert self.static is not None
+        try:
+            self.static.capture()
+        except Exception as e:  # noqa: BLE001 - any capture failure leaves the eager path
+            log.warning("CUDA graph capture failed, every step runs eager: %s", e)
+            self.static = None
+            torch.cuda.empty_cache()
 
     @property
     def graph_bytes(self) -> int:
