@@ -8,7 +8,8 @@ change every step (nothing a CUDA graph can hold). Here one launch serves every 
 - grid (rows, KV heads, splits): a program takes one row's one KV head and `split_blocks`
   blocks of its context, the KV head's query heads together (GQA: K/V read once for the
   group), an online softmax in float32 over the blocks, and writes its partial max, sum and
-  output; a few tensor ops merge the splits (`_merge`), as flash-decoding does;
+  output; a second kernel (grid rows x query heads) merges the splits, as flash-decoding
+  does (a dozen tensor ops did, a dozen launches a layer);
 - the launch shape depends only on the rows and the block table's width, not on the
   contexts' lengths, and the compiled kernel only on the model's shape and the block size
   (Triton compiles one per set of `constexpr`s): blocks past a row's length are skipped
@@ -102,15 +103,38 @@ if available():
         tl.store(l_ptr + out, total, mask=hmask)
         tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=hmask[:, None] & dmask[None, :])
 
-
-def _merge(m: torch.Tensor, total: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    """The splits' partial results ([B, H, S], [B, H, S], [B, H, S, D]) merged into the
-    attention output [B, H, D]; a row with no context (all sums 0) gives zeros."""
-    top = m.amax(-1, keepdim=True)
-    weight = torch.where(total > 0, torch.exp(m - top), torch.zeros_like(m))
-    norm = (weight * total).sum(-1, keepdim=True)
-    out = (weight[..., None] * acc).sum(-2)
-    return out / torch.where(norm > 0, norm, torch.ones_like(norm))
+    @triton.jit
+    def _merge_kernel(
+        m_ptr,  # [B, H, S] float32, as _split_kernel left them
+        l_ptr,
+        acc_ptr,  # [B, H, S, D]
+        out_ptr,  # [B, H, D] float32
+        splits,
+        D: tl.constexpr,
+        D_PAD: tl.constexpr,
+        S_PAD: tl.constexpr,
+    ):
+        """One row's one query head: its splits' partial results weighed by exp(max - the
+        top max) and normalized; splits that saw no token weigh 0, a row with none gives 0."""
+        item = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        s = tl.arange(0, S_PAD)
+        smask = s < splits
+        m = tl.load(m_ptr + item * splits + s, mask=smask, other=float("-inf"))
+        total = tl.load(l_ptr + item * splits + s, mask=smask, other=0.0)
+        seen = total > 0
+        top = tl.max(tl.where(seen, m, float("-inf")), axis=0)
+        top = tl.where(top > float("-inf"), top, 0.0)  # no token at all: any finite value
+        weight = tl.where(seen, tl.exp(tl.where(seen, m, top) - top), 0.0)
+        norm = tl.sum(weight * total, axis=0)
+        d = tl.arange(0, D_PAD)
+        dmask = d < D
+        acc = tl.load(
+            acc_ptr + (item * splits + s)[:, None] * D + d[None, :],
+            mask=smask[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(norm > 0, norm, 1.0)
+        tl.store(out_ptr + item * D + d, out, mask=dmask)
 
 
 def paged_decode_attention(
@@ -162,7 +186,12 @@ def paged_decode_attention(
         BLOCK=block_size,
         SPLIT_BLOCKS=split_blocks,
     )
-    return _merge(m, total, acc)
+    out = q.new_empty(b, h, d, dtype=torch.float32)
+    _merge_kernel[(b, h)](
+        m, total, acc, out, splits, D=d, D_PAD=triton.next_power_of_2(d),
+        S_PAD=triton.next_power_of_2(splits),
+    )  # fmt: skip
+    return out
 
 
 def self_check(
