@@ -19,6 +19,7 @@ from bench.random_model import write_random_model  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.model.kv_cache import kv_budget_bytes  # noqa: E402
 from engine.model.loader import LoadedModel, load_model  # noqa: E402
+from engine.model.plan import StepPlan  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 from tests.step_logits import (  # noqa: E402
     QUESTIONS,
@@ -157,6 +158,38 @@ def test_nf4_decode_steps_replay_inside_cuda_graphs(nf4_cuda: LoadedModel, tmp_p
             engine.check_integrity()
             engine.shutdown()
     assert replies[0] == replies[1]
+
+
+def test_fused_rope_and_kv_write_are_bitwise_the_tensor_ops_in_bf16_on_cuda(
+    nf4_cuda: LoadedModel, tmp_path: Path
+) -> None:
+    """bf16 steps of decodes take RoPE with the K/V write in one Triton kernel: the same
+    logits and pool, bitwise, as the tensor ops and `index_copy_`, static and dynamic."""
+    engine = engine_on(nf4_cuda, tmp_path, gpu_memory_utilization=0.01)
+    engine.shutdown()  # drive the runner on this thread
+    runner, cache = engine.runner, engine.cache  # type: ignore[attr-defined]
+    static, fused = runner.static, runner.rope_store
+    assert fused is not None and static is not None and static.rope_store is fused
+    seqs = [Sequence(ids, GREEDY) for ids in encode(nf4_cuda)[:3]]
+    with torch.inference_mode():
+        prefilled(engine, seqs)
+        before = cache.data.clone()
+        results = []
+        for step in ("static", "dynamic"):
+            for rope_store in (fused, None):
+                cache.data.copy_(before)
+                runner.rope_store = static.rope_store = rope_store
+                if step == "static":  # eager: the captured graphs hold the fused path
+                    static._fill(seqs)
+                    logits = static._forward(static.bucket(len(seqs)))[: len(seqs)]
+                else:
+                    runner.static = None
+                    logits = runner.forward(StepPlan(decodes=seqs))
+                    runner.static = static
+                pool = cache.data[:, :, :, : cache.scratch_block * cache.block_size]
+                results.append((logits.clone(), pool.clone()))
+    for logits, pool in results[1:]:
+        assert torch.equal(logits, results[0][0]) and torch.equal(pool, results[0][1])
 
 
 def test_fp32_engine_equals_transformers_generate_on_cuda(

@@ -151,3 +151,49 @@ def test_a_failed_capture_leaves_every_step_eager(
     finally:
         engine.check_integrity()
         engine.shutdown()
+
+
+def test_rope_and_the_kv_write_fused_give_the_same_step_bitwise(
+    nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Half-precision compute (float16 here; bfloat16 on a GPU) takes RoPE with the K/V write
+    in one kernel for steps of decodes, static and dynamic: the same logits and the same pool,
+    bitwise, as the tensor ops and `index_copy_` they replace."""
+    directory = build("llama", tmp_path_factory.mktemp("half") / "llama", nf4_model.tokenizer)
+    config = EngineConfig(model=str(directory), data_dir=directory, quant="none", dtype="float16")
+    half = replace(load_model(config), cuda_attention="triton", decode_buckets=(1, 2, 4))
+    engine = make_engine(half, tmp_path, quant="none", dtype="float16", model="tiny")
+    engine.shutdown()  # drive the runner on this thread
+    runner, cache = engine.runner, engine.cache  # type: ignore[attr-defined]
+    static: StaticDecode = runner.static
+    assert runner.rope_store is not None and static.rope_store is not None
+    calls = []
+    fused_op = runner.rope_store
+    counted = lambda *a: calls.append(1) or fused_op(*a)  # noqa: E731
+    rng = random.Random(5)
+    seqs = [
+        Sequence([rng.randrange(100, 2000) for _ in range(n)], SamplingParams())
+        for n in (5, 17, 40)
+    ]
+    with torch.inference_mode():
+        prefilled(engine, seqs)
+        before = cache.data.clone()
+        results = []
+        for step in ("static", "dynamic"):
+            for rope_store in (counted, None):
+                cache.data.copy_(before)
+                runner.rope_store = static.rope_store = rope_store
+                if step == "static":
+                    logits = static.run(seqs)
+                else:
+                    runner.static = None
+                    logits = runner.forward(StepPlan(decodes=seqs))
+                    runner.static = static
+                # the pool but the scratch block (the static step's padded row writes it)
+                pool = cache.data[:, :, :, : cache.scratch_block * cache.block_size]
+                results.append((logits.clone(), pool.clone()))
+    layers = len(cache.k)
+    assert len(calls) == 2 * layers  # a call a layer, in the static and the dynamic step
+    for logits, pool in results[1:]:
+        assert torch.equal(logits, results[0][0]) and torch.equal(pool, results[0][1])
+    assert not torch.equal(results[0][1], before[:, :, :, : results[0][1].shape[3]])  # K/V written

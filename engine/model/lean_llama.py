@@ -22,6 +22,10 @@ parallel region; above, the fused q/k/v output goes straight into one `crowdchat
 call (RoPE on q and k, the new K/V into the pool), then the paged attention op and the
 projections' float16 dense copies: ~14 Python calls a layer instead of ~50. The same values
 bitwise, and 1.6x faster at one row, 1.15x at eight (README "A decode step on the kernels").
+
+On CUDA with bfloat16 or float16 compute, a step of decodes takes RoPE and the K/V write as one
+Triton kernel and the attention as the decode kernel (`_fused_attention`): 2 launches a layer
+where the tensor ops took ~12, the same values bitwise.
 """
 
 from __future__ import annotations
@@ -169,25 +173,55 @@ class LeanLlama:
             h = self._decodes(h[0], cos[0], sin[0], meta)
             return self.lm_head(rms_norm(self.final_norm, h)[logit_rows])
         nq, nkv, d = self.heads, self.kv_heads, self.head_dim
+        # CUDA, a step of decodes: RoPE, the K/V write and the attention in two launches a
+        # layer (the same values bitwise: triton_attention.rope_store)
+        fused = meta.rope_store is not None and meta.decode_kernel is not None
+        fused = fused and not meta.prefills and len(meta.decode_groups) == 1
+        rows = cos[0], sin[0]  # [T, D]
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]: broadcast over heads
         for layer in self.layers:
             x = rms_norm(layer.norm1, h)
             q, k, v = layer.qkv(x)
-            # RoPE on q and k in one pass (transformers' own formula and `rotate_half`)
-            qk = torch.cat((q, k), dim=-1).view(t, nq + nkv, d)
-            qk = qk * cos + rotate_half(qk) * sin
-            query = qk[:, :nq].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-            key = qk[:, nq:].transpose(0, 1).unsqueeze(0)  # [1, H_kv, T, D]
-            value = v.view(t, nkv, d).transpose(0, 1).unsqueeze(0)
-            o, _ = paged_attention(
-                layer.attn, query, key, value, None, scaling=layer.attn.scaling, crowdchat=meta
-            )
+            if fused:
+                o = self._fused_attention(layer, q[0], k[0], v[0], *rows, meta)  # [T, H, D]
+            else:
+                # RoPE on q and k in one pass (transformers' own formula and `rotate_half`)
+                qk = torch.cat((q, k), dim=-1).view(t, nq + nkv, d)
+                qk = qk * cos + rotate_half(qk) * sin
+                query = qk[:, :nq].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+                key = qk[:, nq:].transpose(0, 1).unsqueeze(0)  # [1, H_kv, T, D]
+                value = v.view(t, nkv, d).transpose(0, 1).unsqueeze(0)
+                o, _ = paged_attention(
+                    layer.attn, query, key, value, None, scaling=layer.attn.scaling, crowdchat=meta
+                )  # [1, T, H, D]
             h = h + layer.o_proj(o.reshape(1, t, -1))
             x = rms_norm(layer.norm2, h)
             gate, up = layer.gate_up(x)
             h = h + layer.down(F.silu(gate) * up)
         h = rms_norm(self.final_norm, h)
         return self.lm_head(h[:, logit_rows])[0]
+
+    def _fused_attention(
+        self,
+        layer: Layer,
+        q: torch.Tensor,  # [T, H * D]
+        k: torch.Tensor,  # [T, H_kv * D]
+        v: torch.Tensor,
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,
+        meta: StepMetadata,
+    ) -> torch.Tensor:  # [T, H, D] in the compute dtype
+        """A decode step's attention for one layer as `paged_attention` computes it, RoPE and
+        the K/V write fused (`meta.rope_store`), the rows one decode group."""
+        assert meta.rope_store is not None and meta.decode_kernel is not None
+        i, group = layer.attn.layer_idx, meta.decode_groups[0]
+        kc, vc = meta.k_cache[i], meta.v_cache[i]
+        query = meta.rope_store(
+            q, k, v, cos, sin, kc, vc, meta.slot_mapping, self.heads, self.kv_heads
+        )  # [T, H, D] float32
+        scale = self.head_dim**-0.5 if layer.attn.scaling is None else layer.attn.scaling
+        out = meta.decode_kernel(query, kc, vc, group.blocks, group.lens, meta.block_size, scale)
+        return out.to(q.dtype)
 
     def _decodes(
         self,

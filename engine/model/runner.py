@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from engine.kernels import cpu_kernels, triton_attention
+from engine.kernels.cpu_kernels import Kernel
 from engine.model import attention
 from engine.model.attention import DecodeGroup, PrefillChunk, StepMetadata
 from engine.model.kv_cache import KVCache
@@ -93,9 +94,12 @@ class ModelRunner:
         self.decode_kernel = cpu_kernels.decode_attention() if cpu else None
         # and a short prefill chunk after cached tokens (a returning user's message)
         self.prefill_kernel = cpu_kernels.prefill_attention() if self.decode_kernel else None
+        self.rope_store: Kernel | None = None
         if loaded.cuda_attention == "triton":
             self.decode_kernel = triton_attention.paged_decode_attention
             self.prefill_kernel = triton_attention.paged_prefill_attention
+            if loaded.dtype in (torch.bfloat16, torch.float16):
+                self.rope_store = triton_attention.rope_store
         # CUDA with the Triton kernel: steps of decodes on persistent buffers, one captured
         # graph per batch bucket (engine.model.static_decode); the CPU runs them eagerly (tests)
         self.static: StaticDecode | None = None
@@ -105,7 +109,9 @@ class ModelRunner:
             and self.lean is not None
             and cache.scratch_block is not None
         ):
-            self.static = StaticDecode(self.lean, cache, loaded.decode_buckets, loaded.max_position)
+            self.static = StaticDecode(
+                self.lean, cache, loaded.decode_buckets, loaded.max_position, self.rope_store
+            )
             if self.device.type == "cuda":
                 self._capture()
         arch = (getattr(self.model.config, "architectures", None) or ["?"])[0]
@@ -188,6 +194,7 @@ class ModelRunner:
             prefills=prefills,
             decode_kernel=kernel,
             prefill_kernel=self.prefill_kernel,
+            rope_store=self.rope_store,
         )
         return meta, ids, pos, logit_rows
 

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from engine.kernels import triton_attention
+from engine.kernels.cpu_kernels import Kernel
 from engine.model.attention import DecodeGroup, StepMetadata
 from engine.model.kv_cache import KVCache
 from engine.model.lean_llama import LeanLlama
@@ -48,10 +49,15 @@ class StaticDecode:
     """`run(decodes)` -> their logits [n, V] (plan order), on buffers that outlive the step."""
 
     def __init__(
-        self, lean: LeanLlama, cache: KVCache, sizes: tuple[int, ...], max_position: int
+        self,
+        lean: LeanLlama,
+        cache: KVCache,
+        sizes: tuple[int, ...],
+        max_position: int,
+        rope_store: Kernel | None = None,
     ) -> None:
         assert sizes and cache.scratch_block is not None
-        self.lean, self.cache, self.sizes = lean, cache, sizes
+        self.lean, self.cache, self.sizes, self.rope_store = lean, cache, sizes, rope_store
         self.device = cache.data.device
         bs = cache.block_size
         self.block_size = bs
@@ -126,6 +132,7 @@ class StaticDecode:
             decode_groups=[DecodeGroup(0, b, self.table[:b], None, lens=self.lens[:b])],
             prefills=[],
             decode_kernel=self.attend,
+            rope_store=self.rope_store,
         )
         ids = self.ids[:b].view(1, b)
         return self.lean.forward(ids, self.positions[:b].view(1, b), meta, self.logit_rows[:b])
