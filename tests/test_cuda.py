@@ -164,7 +164,8 @@ def test_fused_rope_and_kv_write_are_bitwise_the_tensor_ops_in_bf16_on_cuda(
     nf4_cuda: LoadedModel, tmp_path: Path
 ) -> None:
     """bf16 steps of decodes take RoPE with the K/V write in one Triton kernel: the same
-    logits and pool, bitwise, as the tensor ops and `index_copy_`, static and dynamic."""
+    logits and pool, bitwise, as the tensor ops and `index_copy_`, static and dynamic; the
+    residual adds with their norms (one kernel each) within rounding of the tensor ops."""
     engine = engine_on(nf4_cuda, tmp_path, gpu_memory_utilization=0.01)
     engine.shutdown()  # drive the runner on this thread
     runner, cache = engine.runner, engine.cache  # type: ignore[attr-defined]
@@ -188,6 +189,15 @@ def test_fused_rope_and_kv_write_are_bitwise_the_tensor_ops_in_bf16_on_cuda(
                     runner.static = static
                 pool = cache.data[:, :, :, : cache.scratch_block * cache.block_size]
                 results.append((logits.clone(), pool.clone()))
+        # the residual adds with their norms (one Triton kernel each) against the tensor ops
+        norm_kernel, runner.lean.norm_kernel = runner.lean.norm_kernel, None
+        cache.data.copy_(before)
+        static._fill(seqs)
+        torch_norms = static._forward(static.bucket(len(seqs)))[: len(seqs)]
+        runner.lean.norm_kernel = norm_kernel
+    assert norm_kernel is not None
+    ref = results[0][0].float()  # bf16 roundings through 30 layers: 5% of the logits' norm
+    assert float((torch_norms.float() - ref).norm()) <= 0.05 * float(ref.norm())
     for logits, pool in results[1:]:
         assert torch.equal(logits, results[0][0]) and torch.equal(pool, results[0][1])
 

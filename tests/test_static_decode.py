@@ -158,7 +158,8 @@ def test_rope_and_the_kv_write_fused_give_the_same_step_bitwise(
 ) -> None:
     """Half-precision compute (float16 here; bfloat16 on a GPU) takes RoPE with the K/V write
     in one kernel for steps of decodes, static and dynamic: the same logits and the same pool,
-    bitwise, as the tensor ops and `index_copy_` they replace."""
+    bitwise, as the tensor ops and `index_copy_` they replace; its residual adds and norms in
+    one kernel each, within rounding of the tensor ops."""
     directory = build("llama", tmp_path_factory.mktemp("half") / "llama", nf4_model.tokenizer)
     config = EngineConfig(model=str(directory), data_dir=directory, quant="none", dtype="float16")
     half = replace(load_model(config), cuda_attention="triton", decode_buckets=(1, 2, 4))
@@ -192,6 +193,14 @@ def test_rope_and_the_kv_write_fused_give_the_same_step_bitwise(
                 # the pool but the scratch block (the static step's padded row writes it)
                 pool = cache.data[:, :, :, : cache.scratch_block * cache.block_size]
                 results.append((logits.clone(), pool.clone()))
+        # the norms' kernel (each residual add with its norm) against torch.rms_norm: within
+        # rounding, not bitwise (its sums of squares run in Triton's order)
+        norm_kernel, runner.lean.norm_kernel = runner.lean.norm_kernel, None
+        cache.data.copy_(before)
+        torch_norms = static.run(seqs)
+        runner.lean.norm_kernel = norm_kernel
+    assert norm_kernel is not None
+    torch.testing.assert_close(torch_norms, results[0][0], rtol=0.02, atol=0.02)
     layers = len(cache.k)
     assert len(calls) == 2 * layers  # a call a layer, in the static and the dynamic step
     for logits, pool in results[1:]:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers.models.llama.modeling_llama import rotate_half
 
 from engine import EngineConfig, SamplingParams
 from engine.chat_format import ChatFormatter
@@ -90,38 +89,6 @@ def test_the_kernel_checks_itself_where_it_runs() -> None:
         assert triton_attention.self_check(torch.device(DEVICE), dtype, kv_dtype, d, group) is None
     why = triton_attention.self_check(torch.device("meta"), torch.float32, torch.float32, 64, 1)
     assert isinstance(why, str) and why
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_rope_store_rounds_as_the_tensor_ops_and_writes_only_its_slots(seed: int) -> None:
-    """RoPE with the K/V write in one kernel: q bitwise `x * cos + rotate_half(x) * sin` in
-    the compute dtype (float16 here: the interpreter reads bfloat16 wrongly; a GPU runs
-    bfloat16 in tests/test_cuda.py), the pool bitwise what `index_copy_` of the same K and V
-    gives, every other slot untouched; q, k, v strided slices of one fused output."""
-    gen = torch.Generator().manual_seed(seed)
-    rng = random.Random(seed)
-    heads, kv_heads = rng.choice([(9, 3), (4, 4), (8, 2)])
-    d, t, dtype = rng.choice([64, 48, 16]), rng.randint(1, 6), torch.float16
-    fused = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
-    q, k, v = fused.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
-    angle = torch.rand(t, d // 2, generator=gen) * 100
-    cos = torch.cat([angle.cos()] * 2, dim=1).to(dtype)
-    sin = torch.cat([angle.sin()] * 2, dim=1).to(dtype)
-    pool_dtype = rng.choice([torch.float16, torch.float32])
-    kc, vc = (torch.randn(kv_heads, 40, d, generator=gen).to(pool_dtype) for _ in "kv")
-    slots = torch.randperm(40, generator=gen)[:t]
-    want_k, want_v = kc.clone(), vc.clone()
-    qk = torch.cat((q, k), dim=1).view(t, heads + kv_heads, d)
-    qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]
-    want_k.index_copy_(1, slots, qk[:, heads:].transpose(0, 1).to(pool_dtype))
-    want_v.index_copy_(1, slots, v.view(t, kv_heads, d).transpose(0, 1).to(pool_dtype))
-    got = triton_attention.rope_store(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE),
-        kc := kc.to(DEVICE), vc := vc.to(DEVICE), slots.to(DEVICE), heads, kv_heads,
-    )  # fmt: skip
-    assert got.dtype == torch.float32 and got.shape == (t, heads, d)
-    assert torch.equal(got.cpu(), qk[:, :heads].float())
-    assert torch.equal(kc.cpu(), want_k) and torch.equal(vc.cpu(), want_v)
 
 
 def test_prefill_chunk_after_cached_tokens_is_causal() -> None:

@@ -16,9 +16,7 @@ change every step (nothing a CUDA graph can hold). Here one launch serves every 
   inside the kernel, a row of length 0 (a padded row of a batch bucket) writes zeros; so a
   step of a fixed bucket can be captured;
 - a short prefill chunk after cached tokens is the same kernel, one row per chunk token with
-  the sequence's table and the token's own causal length (`paged_prefill_attention`);
-- before a step of decodes attends, `rope_store` applies RoPE to q and k and writes K and V
-  into the pool in one launch, rounding as the tensor ops it replaces do.
+  the sequence's table and the token's own causal length (`paged_prefill_attention`).
 
 `paged_decode_attention` and `paged_prefill_attention` have the signatures of crowdchat's CPU
 kernels (engine.kernels.cpu_kernels), so the runner plugs them into the same hooks. On the CPU
@@ -106,64 +104,6 @@ if available():
         tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=hmask[:, None] & dmask[None, :])
 
     @triton.jit
-    def _rope_store_kernel(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        stride_q,
-        stride_k,
-        stride_v,
-        cos_ptr,  # [T, D] contiguous, compute dtype
-        sin_ptr,
-        kc_ptr,  # [H_kv, slots, D]
-        vc_ptr,
-        stride_kh,
-        stride_ks,
-        slots_ptr,  # [T] int64
-        out_ptr,  # [T, H, D] float32: q after RoPE
-        H: tl.constexpr,
-        HKV: tl.constexpr,
-        HALF: tl.constexpr,
-        HALF_PAD: tl.constexpr,
-    ):
-        """Program (token, head): heads [0, H) are q's, [H, H + H_kv) k's, then v's."""
-        t, head = tl.program_id(0), tl.program_id(1)
-        i = tl.arange(0, HALF_PAD)
-        mask = i < HALF
-        dt = q_ptr.dtype.element_ty
-        if head < H + HKV:
-            if head < H:
-                src = q_ptr + t * stride_q + head * 2 * HALF
-            else:
-                src = k_ptr + t * stride_k + (head - H) * 2 * HALF
-            x1 = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(src + HALF + i, mask=mask, other=0.0).to(tl.float32)
-            c1 = tl.load(cos_ptr + t * 2 * HALF + i, mask=mask, other=0.0).to(tl.float32)
-            c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + i, mask=mask, other=0.0).to(tl.float32)
-            s1 = tl.load(sin_ptr + t * 2 * HALF + i, mask=mask, other=0.0).to(tl.float32)
-            s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + i, mask=mask, other=0.0).to(tl.float32)
-            # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1); the products of two
-            # values of the compute dtype are exact in float32, then rounded as PyTorch does
-            y1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
-            y2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
-            if head < H:
-                dst = out_ptr + (t * H + head) * 2 * HALF
-                tl.store(dst + i, y1.to(tl.float32), mask=mask)
-                tl.store(dst + HALF + i, y2.to(tl.float32), mask=mask)
-            else:
-                slot = tl.load(slots_ptr + t)
-                dst = kc_ptr + (head - H) * stride_kh + slot * stride_ks
-                tl.store(dst + i, y1.to(kc_ptr.dtype.element_ty), mask=mask)
-                tl.store(dst + HALF + i, y2.to(kc_ptr.dtype.element_ty), mask=mask)
-        else:
-            src = v_ptr + t * stride_v + (head - H - HKV) * 2 * HALF
-            slot = tl.load(slots_ptr + t)
-            dst = vc_ptr + (head - H - HKV) * stride_kh + slot * stride_ks
-            for half in range(2):
-                x = tl.load(src + half * HALF + i, mask=mask, other=0.0)
-                tl.store(dst + half * HALF + i, x.to(vc_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
     def _merge_kernel(
         m_ptr,  # [B, H, S] float32, as _split_kernel left them
         l_ptr,
@@ -195,38 +135,6 @@ if available():
         )
         out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(norm > 0, norm, 1.0)
         tl.store(out_ptr + item * D + d, out, mask=dmask)
-
-
-def rope_store(
-    q: torch.Tensor,  # [T, H * D] rows of the projections (strided: slices of a fused output)
-    k: torch.Tensor,  # [T, H_kv * D]
-    v: torch.Tensor,  # [T, H_kv * D]
-    cos: torch.Tensor,  # [T, D]
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,  # [H_kv, slots, D]
-    v_cache: torch.Tensor,
-    slots: torch.Tensor,  # [T] int64: where each token's K/V goes
-    heads: int,
-    kv_heads: int,
-) -> torch.Tensor:  # [T, H, D] float32
-    """RoPE on q and k and the K/V write into the pool in one launch (a step of decodes on
-    CUDA: ~10 launches a layer before). Each product and the sum are rounded to the compute
-    dtype (bfloat16 or float16) as `x * cos + rotate_half(x) * sin` rounds them in PyTorch, so
-    q and the pool hold bitwise what the tensor ops gave; q comes back widened to float32, as
-    the decode kernel takes it."""
-    t, d = q.shape[0], k_cache.shape[2]
-    assert q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype
-    assert q.stride(1) == k.stride(1) == v.stride(1) == 1 and d % 2 == 0
-    assert cos.shape == sin.shape == (t, d) and cos.is_contiguous() and sin.is_contiguous()
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
-    out = q.new_empty(t, heads, d, dtype=torch.float32)
-    if t:
-        _rope_store_kernel[(t, heads + 2 * kv_heads)](
-            q, k, v, q.stride(0), k.stride(0), v.stride(0), cos.to(q.dtype), sin.to(q.dtype),
-            k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), slots, out,
-            H=heads, HKV=kv_heads, HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2),
-        )  # fmt: skip
-    return out
 
 
 def paged_decode_attention(

@@ -23,9 +23,10 @@ call (RoPE on q and k, the new K/V into the pool), then the paged attention op a
 projections' float16 dense copies: ~14 Python calls a layer instead of ~50. The same values
 bitwise, and 1.6x faster at one row, 1.15x at eight (README "A decode step on the kernels").
 
-On CUDA with bfloat16 or float16 compute, a step of decodes takes RoPE and the K/V write as one
-Triton kernel and the attention as the decode kernel (`_fused_attention`): 2 launches a layer
-where the tensor ops took ~12, the same values bitwise.
+On CUDA with bfloat16 or float16 compute (engine.kernels.triton_layer), each residual add and
+the norm after it are one Triton kernel, and a step of decodes takes RoPE and the K/V write as
+one more, then the decode kernel (`_fused_attention`): the same values bitwise as the tensor
+ops for RoPE and the K/V, within rounding for the norms.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ class LeanLlama:
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        # CUDA, bfloat16/float16: the residual add and the norm after it as one launch
+        # (engine.kernels.triton_layer.add_rms_norm; the runner sets it), else tensor ops
+        self.norm_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         self.layers = [
             Layer(
                 attn=layer.self_attn,
@@ -179,8 +183,9 @@ class LeanLlama:
         fused = fused and not meta.prefills and len(meta.decode_groups) == 1
         rows = cos[0], sin[0]  # [T, D]
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]: broadcast over heads
-        for layer in self.layers:
-            x = rms_norm(layer.norm1, h)
+        norms = [layer.norm1 for layer in self.layers] + [self.final_norm]  # each layer's first
+        h, x = self._add_norm(norms[0], h, None)
+        for layer, after in zip(self.layers, norms[1:], strict=True):
             q, k, v = layer.qkv(x)
             if fused:
                 o = self._fused_attention(layer, q[0], k[0], v[0], *rows, meta)  # [T, H, D]
@@ -194,12 +199,20 @@ class LeanLlama:
                 o, _ = paged_attention(
                     layer.attn, query, key, value, None, scaling=layer.attn.scaling, crowdchat=meta
                 )  # [1, T, H, D]
-            h = h + layer.o_proj(o.reshape(1, t, -1))
-            x = rms_norm(layer.norm2, h)
+            h, x = self._add_norm(layer.norm2, h, layer.o_proj(o.reshape(1, t, -1)))
             gate, up = layer.gate_up(x)
-            h = h + layer.down(F.silu(gate) * up)
-        h = rms_norm(self.final_norm, h)
-        return self.lm_head(h[:, logit_rows])[0]
+            h, x = self._add_norm(after, h, layer.down(F.silu(gate) * up))
+        return self.lm_head(x[:, logit_rows])[0]  # x: the final norm's rows
+
+    def _add_norm(
+        self, norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, its RMSNorm by `norm`); without delta (h, its RMSNorm)."""
+        if self.norm_kernel is not None:
+            return self.norm_kernel(h, delta, norm.weight, norm.variance_epsilon)
+        if delta is not None:
+            h = h + delta
+        return h, rms_norm(norm, h)
 
     def _fused_attention(
         self,

@@ -23,7 +23,7 @@ from transformers import (  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.errors import ModelLoadError  # noqa: E402
-from engine.kernels import cpu_kernels, triton_attention  # noqa: E402
+from engine.kernels import cpu_kernels, triton_attention, triton_layer  # noqa: E402
 from engine.model import cpu_quant, fused_proj, quantize  # noqa: E402
 from engine.model.attention import needs_general  # noqa: E402
 from engine.model.checkpoint import resolve_checkpoint  # noqa: E402
@@ -258,7 +258,8 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
         # on CPU crowdchat's kernels compute K/V too, with loops chosen by their build's ISA
         numerics=numerics_versions()
         + (f" kernels={cpu_kernels.isa()}" if device.type == "cpu" else "")
-        + (f" attention={cuda_attention}" if cuda_attention else ""),
+        + (f" attention={cuda_attention}" if cuda_attention else "")
+        + (" layers=triton" if triton_layer.used(cuda_attention, dtype) else ""),
         cuda_attention=cuda_attention,
         decode_buckets=decode_buckets(config, cuda_attention),
     )

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from engine.kernels import cpu_kernels, triton_attention
+from engine.kernels import cpu_kernels, triton_attention, triton_layer
 from engine.kernels.cpu_kernels import Kernel
 from engine.model import attention
 from engine.model.attention import DecodeGroup, PrefillChunk, StepMetadata
@@ -98,8 +98,9 @@ class ModelRunner:
         if loaded.cuda_attention == "triton":
             self.decode_kernel = triton_attention.paged_decode_attention
             self.prefill_kernel = triton_attention.paged_prefill_attention
-            if loaded.dtype in (torch.bfloat16, torch.float16):
-                self.rope_store = triton_attention.rope_store
+        if triton_layer.used(loaded.cuda_attention, loaded.dtype) and self.lean is not None:
+            self.rope_store = triton_layer.rope_store
+            self.lean.norm_kernel = triton_layer.add_rms_norm
         # CUDA with the Triton kernel: steps of decodes on persistent buffers, one captured
         # graph per batch bucket (engine.model.static_decode); the CPU runs them eagerly (tests)
         self.static: StaticDecode | None = None
