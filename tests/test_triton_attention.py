@@ -75,6 +75,11 @@ def test_decode_attention_equals_the_reference(seed: int) -> None:
         assert got.dtype == torch.float32 and got.shape == q.shape
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.double().cpu(), want, rtol=2e-4, atol=2e-5)
+        half = triton_attention.paged_decode_attention(
+            q.to(DEVICE), kc, vc, tables.to(DEVICE), lens.to(DEVICE), bs, scale, split_tokens,
+            out_dtype=torch.float16,
+        )  # fmt: skip
+        assert torch.equal(half, got.to(torch.float16))  # rounded in the kernel as `.to` does
 
 
 def test_the_kernel_checks_itself_where_it_runs() -> None:

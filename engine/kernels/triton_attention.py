@@ -134,7 +134,7 @@ if available():
             other=0.0,
         )
         out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(norm > 0, norm, 1.0)
-        tl.store(out_ptr + item * D + d, out, mask=dmask)
+        tl.store(out_ptr + item * D + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 def paged_decode_attention(
@@ -146,9 +146,11 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     split_tokens: int = SPLIT_TOKENS,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Each row's query heads against its own first `context_lens` tokens in the pool's
-    blocks; float32 [B, H, D]. The launch depends on B, the table's width and `split_tokens`
+    blocks; [B, H, D] in `out_dtype` (float32, or the compute dtype: rounded as `.to` would
+    round it, one launch fewer). The launch depends on B, the table's width and `split_tokens`
     only."""
     b, h, d = q.shape
     hkv, nblk = k_cache.shape[0], block_table.shape[1]
@@ -162,7 +164,7 @@ def paged_decode_attention(
     total = torch.empty_like(m)
     acc = q.new_empty(b, h, splits, d, dtype=torch.float32)
     if b == 0:
-        return acc[:, :, 0]
+        return acc[:, :, 0].to(out_dtype)
     _split_kernel[(b, hkv, splits)](
         q,
         k_cache,
@@ -186,7 +188,7 @@ def paged_decode_attention(
         BLOCK=block_size,
         SPLIT_BLOCKS=split_blocks,
     )
-    out = q.new_empty(b, h, d, dtype=torch.float32)
+    out = q.new_empty(b, h, d, dtype=out_dtype)
     _merge_kernel[(b, h)](
         m, total, acc, out, splits, D=d, D_PAD=triton.next_power_of_2(d),
         S_PAD=triton.next_power_of_2(splits),

@@ -233,8 +233,9 @@ class LeanLlama:
             q, k, v, cos, sin, kc, vc, meta.slot_mapping, self.heads, self.kv_heads
         )  # [T, H, D] float32
         scale = self.head_dim**-0.5 if layer.attn.scaling is None else layer.attn.scaling
-        out = meta.decode_kernel(query, kc, vc, group.blocks, group.lens, meta.block_size, scale)
-        return out.to(q.dtype)
+        return meta.decode_kernel(
+            query, kc, vc, group.blocks, group.lens, meta.block_size, scale, out_dtype=q.dtype
+        )  # the Triton kernel's: with the rope_store hook, only it is set
 
     def _decodes(
         self,
