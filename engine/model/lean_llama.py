@@ -281,18 +281,21 @@ class LeanLlama:
         return h
 
 
-def lean_forward(model: nn.Module) -> LeanLlama | None:
-    """The flat forward for `model`, or None where its decoder is not exactly Llama's."""
+def fits(model: nn.Module) -> bool:
+    """Whether `model`'s decoder is exactly Llama's (the flat forward runs it)."""
     cfg = model.config
-    if (
+    return not (
         type(model).__name__ not in ARCHITECTURES
         or getattr(cfg, "attention_bias", False)
         or getattr(cfg, "mlp_bias", False)
         or cfg.hidden_act != "silu"
         or any(type(m).__name__ != "LlamaRMSNorm" for m in _norms(model))
-    ):
-        return None
-    return LeanLlama(model)
+    )
+
+
+def lean_forward(model: nn.Module) -> LeanLlama | None:
+    """The flat forward for `model`, or None where its decoder is not exactly Llama's."""
+    return LeanLlama(model) if fits(model) else None
 
 
 def _norms(model: nn.Module) -> list[nn.Module]:

@@ -33,6 +33,7 @@ from engine.model.fingerprint import (  # noqa: E402
     numerics_versions,
     weights_hash,
 )
+from engine.model.lean_llama import fits  # noqa: E402
 from engine.startup import Startup  # noqa: E402
 from engine.threads import run_in_fresh_thread  # noqa: E402
 
@@ -259,7 +260,7 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
         numerics=numerics_versions()
         + (f" kernels={cpu_kernels.isa()}" if device.type == "cpu" else "")
         + (f" attention={cuda_attention}" if cuda_attention else "")
-        + (" layers=triton" if triton_layer.used(cuda_attention, dtype) else ""),
+        + (" layers=triton" if triton_layer.used(cuda_attention, dtype) and fits(model) else ""),
         cuda_attention=cuda_attention,
         decode_buckets=decode_buckets(config, cuda_attention),
     )
