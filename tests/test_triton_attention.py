@@ -86,13 +86,9 @@ def test_the_kernel_checks_itself_where_it_runs() -> None:
     """The loader's start-up check: the kernel against dense attention on the device, for the
     model's dtypes, head size and GQA group; a failure to build or run is an answer (the
     loader then gathers for SDPA), not a crash."""
-    for dtype, kv_dtype, d, group in (
-        (torch.float32, torch.bfloat16, 64, 3),
-        (torch.float32, torch.float32, 48, 1),
-        (torch.float16, torch.float16, 128, 4),
-    ):
-        assert triton_attention.self_check(torch.device(DEVICE), dtype, kv_dtype, d, group) is None
-    why = triton_attention.self_check(torch.device("meta"), torch.float32, torch.float32, 64, 1)
+    for kv_dtype, d, group in ((torch.float16, 64, 3), (torch.float32, 48, 1)):
+        assert triton_attention.self_check(torch.device(DEVICE), kv_dtype, d, group) is None
+    why = triton_attention.self_check(torch.device("meta"), torch.float32, 64, 1)
     assert isinstance(why, str) and why
 
 

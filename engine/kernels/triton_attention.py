@@ -197,17 +197,17 @@ def paged_decode_attention(
 
 
 def self_check(
-    device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, group: int
+    device: torch.device, kv_dtype: torch.dtype, head_dim: int, group: int
 ) -> str | None:
-    """Runs the decode kernel once on a tiny pool on `device` (queries `dtype`, pool
-    `kv_dtype`, the model's head size and GQA group) against dense softmax attention: None
-    when it agrees, else why not. A GPU whose Triton cannot build or run the kernel then
-    starts on the gathered attention instead of failing (engine.model.loader)."""
+    """Runs the decode kernel once on a tiny pool on `device` (float32 queries, as the steps
+    pass them; the pool's dtype, the model's head size and GQA group) against dense softmax
+    attention: None when it agrees, else why not. A GPU whose Triton cannot build or run the
+    kernel then starts on the gathered attention instead of failing (engine.model.loader)."""
     try:
         gen = torch.Generator().manual_seed(0)
         bs, blocks = 16, 4
         k, v = (torch.randn(1, blocks * bs, head_dim, generator=gen).to(kv_dtype) for _ in "kv")
-        q = torch.randn(2, group, head_dim, generator=gen).to(dtype)
+        q = torch.randn(2, group, head_dim, generator=gen)
         table, lens = torch.tensor([[2, 0], [1, 3]]), torch.tensor([bs + 3, 2 * bs])
         scale = head_dim**-0.5
         got = paged_decode_attention(

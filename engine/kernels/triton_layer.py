@@ -135,7 +135,7 @@ def rope_store(
     q and the pool hold bitwise what the tensor ops gave; q comes back widened to float32, as
     the decode kernel takes it."""
     t, d = q.shape[0], k_cache.shape[2]
-    assert q.dtype in (torch.bfloat16, torch.float16) and k.dtype == v.dtype == q.dtype
+    assert q.dtype in HALF and k.dtype == v.dtype == q.dtype
     assert q.stride(1) == k.stride(1) == v.stride(1) == 1 and d % 2 == 0
     assert cos.shape == sin.shape == (t, d) and cos.is_contiguous() and sin.is_contiguous()
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1

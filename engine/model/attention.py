@@ -61,7 +61,7 @@ class StepMetadata:
     # its sibling for prefill chunks that carry `blocks`
     prefill_kernel: Kernel | None = None
     # CUDA, bfloat16 or float16 compute: RoPE with the K/V write in one launch
-    # (triton_attention.rope_store), which the flat forward takes for steps of decodes only
+    # (triton_layer.rope_store), which the flat forward takes for steps of decodes only
     rope_store: Kernel | None = None
 
 

@@ -178,7 +178,7 @@ class LeanLlama:
             return self.lm_head(rms_norm(self.final_norm, h)[logit_rows])
         nq, nkv, d = self.heads, self.kv_heads, self.head_dim
         # CUDA, a step of decodes: RoPE, the K/V write and the attention in two launches a
-        # layer (the same values bitwise: triton_attention.rope_store)
+        # layer (the same values bitwise: triton_layer.rope_store)
         fused = meta.rope_store is not None and meta.decode_kernel is not None
         fused = fused and not meta.prefills and len(meta.decode_groups) == 1
         rows = cos[0], sin[0]  # [T, D]
@@ -208,7 +208,7 @@ class LeanLlama:
         self, norm: nn.Module, h: torch.Tensor, delta: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + delta, its RMSNorm by `norm`); without delta (h, its RMSNorm)."""
-        if self.norm_kernel is not None:
+        if self.norm_kernel is not None and norm.weight.dtype == h.dtype:
             return self.norm_kernel(h, delta, norm.weight, norm.variance_epsilon)
         if delta is not None:
             h = h + delta

@@ -235,7 +235,7 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
         cuda_attention = "triton" if triton and needs_general(mc) is None else "gather"
         group = mc.num_attention_heads // kv_heads
         why = cuda_attention == "triton" and triton_attention.self_check(
-            device, dtype, kv_dtype, head_dim, group
+            device, kv_dtype, head_dim, group
         )
         if why:
             log.warning("the Triton attention kernel failed its check (%s): gathered instead", why)
