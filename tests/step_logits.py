@@ -52,3 +52,37 @@ def decode_logits(engine, seqs: list[Sequence]) -> torch.Tensor:
     finally:
         for s in seqs:
             engine.pool.free(s.block_table)
+
+
+def fused_layer_steps(engine, seqs: list[Sequence], rope_store) -> tuple[list, torch.Tensor]:  # noqa: ANN001
+    """A decode step of `seqs` (prefilled) static then dynamic, each with RoPE and the K/V
+    write fused (`rope_store`) and without: their (logits, pool but the scratch block) in that
+    order, each from the same pool; then the static step's logits without the norm kernel.
+    The static step runs eagerly (a captured graph holds whatever path it was captured on)."""
+    runner, cache = engine.runner, engine.cache
+    static = runner.static
+    before = cache.data.clone()
+    scratch = cache.scratch_block * cache.block_size  # the padded rows write past it
+
+    def static_step() -> torch.Tensor:
+        static._fill(seqs)
+        return static._forward(static.bucket(len(seqs)))[: len(seqs)].clone()
+
+    results = []
+    for step in ("static", "dynamic"):
+        for fused in (rope_store, None):
+            cache.data.copy_(before)
+            runner.rope_store = static.rope_store = fused
+            if step == "static":
+                logits = static_step()
+            else:
+                runner.static = None
+                logits = runner.forward(StepPlan(decodes=seqs)).clone()
+                runner.static = static
+            results.append((logits, cache.data[:, :, :, :scratch].clone()))
+    norm_kernel, runner.lean.norm_kernel = runner.lean.norm_kernel, None
+    cache.data.copy_(before)
+    tensor_norms = static_step()
+    runner.lean.norm_kernel = norm_kernel
+    runner.rope_store = static.rope_store = rope_store
+    return results, tensor_norms

@@ -19,12 +19,12 @@ from bench.random_model import write_random_model  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.model.kv_cache import kv_budget_bytes  # noqa: E402
 from engine.model.loader import LoadedModel, load_model  # noqa: E402
-from engine.model.plan import StepPlan  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 from tests.step_logits import (  # noqa: E402
     QUESTIONS,
     decode_logits,
     first_step_logits,
+    fused_layer_steps,
     prefilled,
 )
 
@@ -168,36 +168,16 @@ def test_fused_rope_and_kv_write_are_bitwise_the_tensor_ops_in_bf16_on_cuda(
     residual adds with their norms (one kernel each) within rounding of the tensor ops."""
     engine = engine_on(nf4_cuda, tmp_path, gpu_memory_utilization=0.01)
     engine.shutdown()  # drive the runner on this thread
-    runner, cache = engine.runner, engine.cache  # type: ignore[attr-defined]
+    runner = engine.runner  # type: ignore[attr-defined]
     static, fused = runner.static, runner.rope_store
     assert fused is not None and static is not None and static.rope_store is fused
     seqs = [Sequence(ids, GREEDY) for ids in encode(nf4_cuda)[:3]]
     with torch.inference_mode():
         prefilled(engine, seqs)
-        before = cache.data.clone()
-        results = []
-        for step in ("static", "dynamic"):
-            for rope_store in (fused, None):
-                cache.data.copy_(before)
-                runner.rope_store = static.rope_store = rope_store
-                if step == "static":  # eager: the captured graphs hold the fused path
-                    static._fill(seqs)
-                    logits = static._forward(static.bucket(len(seqs)))[: len(seqs)]
-                else:
-                    runner.static = None
-                    logits = runner.forward(StepPlan(decodes=seqs))
-                    runner.static = static
-                pool = cache.data[:, :, :, : cache.scratch_block * cache.block_size]
-                results.append((logits.clone(), pool.clone()))
-        # the residual adds with their norms (one Triton kernel each) against the tensor ops
-        norm_kernel, runner.lean.norm_kernel = runner.lean.norm_kernel, None
-        cache.data.copy_(before)
-        static._fill(seqs)
-        torch_norms = static._forward(static.bucket(len(seqs)))[: len(seqs)]
-        runner.lean.norm_kernel = norm_kernel
-    assert norm_kernel is not None
+        results, tensor_norms = fused_layer_steps(engine, seqs, fused)
+    assert runner.lean.norm_kernel is not None
     ref = results[0][0].float()  # bf16 roundings through 30 layers: 5% of the logits' norm
-    assert float((torch_norms.float() - ref).norm()) <= 0.05 * float(ref.norm())
+    assert float((tensor_norms.float() - ref).norm()) <= 0.05 * float(ref.norm())
     for logits, pool in results[1:]:
         assert torch.equal(logits, results[0][0]) and torch.equal(pool, results[0][1])
 

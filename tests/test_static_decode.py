@@ -21,7 +21,7 @@ from engine.model.static_decode import StaticDecode
 from engine.sequence import Sequence
 from tests.model_zoo import build
 from tests.rig import make_engine
-from tests.step_logits import prefilled
+from tests.step_logits import fused_layer_steps, prefilled
 
 pytestmark = [
     pytest.mark.skipif(not triton_attention.available(), reason="triton not installed"),
@@ -178,31 +178,14 @@ def test_rope_and_the_kv_write_fused_give_the_same_step_bitwise(
     ]
     with torch.inference_mode():
         prefilled(engine, seqs)
-        before = cache.data.clone()
-        results = []
-        for step in ("static", "dynamic"):
-            for rope_store in (counted, None):
-                cache.data.copy_(before)
-                runner.rope_store = static.rope_store = rope_store
-                if step == "static":
-                    logits = static.run(seqs)
-                else:
-                    runner.static = None
-                    logits = runner.forward(StepPlan(decodes=seqs))
-                    runner.static = static
-                # the pool but the scratch block (the static step's padded row writes it)
-                pool = cache.data[:, :, :, : cache.scratch_block * cache.block_size]
-                results.append((logits.clone(), pool.clone()))
-        # the norms' kernel (each residual add with its norm) against torch.rms_norm: within
-        # rounding, not bitwise (its sums of squares run in Triton's order)
-        norm_kernel, runner.lean.norm_kernel = runner.lean.norm_kernel, None
-        cache.data.copy_(before)
-        torch_norms = static.run(seqs)
-        runner.lean.norm_kernel = norm_kernel
-    assert norm_kernel is not None
-    torch.testing.assert_close(torch_norms, results[0][0], rtol=0.02, atol=0.02)
+        before = cache.data[:, :, :, : cache.scratch_block * cache.block_size].clone()
+        results, tensor_norms = fused_layer_steps(engine, seqs, counted)
+    # the norms' kernel (each residual add with its norm) against torch.rms_norm: within
+    # rounding, not bitwise (its sums of squares run in Triton's order)
+    assert runner.lean.norm_kernel is not None
+    torch.testing.assert_close(tensor_norms, results[0][0], rtol=0.02, atol=0.02)
     layers = len(cache.k)
     assert len(calls) == 2 * layers  # a call a layer, in the static and the dynamic step
     for logits, pool in results[1:]:
         assert torch.equal(logits, results[0][0]) and torch.equal(pool, results[0][1])
-    assert not torch.equal(results[0][1], before[:, :, :, : results[0][1].shape[3]])  # K/V written
+    assert not torch.equal(results[0][1], before)  # the step wrote its K/V
