@@ -187,7 +187,7 @@ fi
   --format=csv,noheader
 step random_model 90 "$PY" bench/random_model.py "$MODEL"
 step tests 150 "$PY" -m pytest -q -p no:cacheprovider -rfE tests/test_cuda.py \
-  tests/test_triton_attention.py tests/test_triton_layer.py
+  tests/test_triton_attention.py tests/test_triton_layer.py tests/test_sampler.py
 step throughput 120 "$PY" bench/throughput.py --device $DEV --model "$MODEL" --data-dir "$DATA" \
   --users $USERS --new-tokens $NEW --sequential-requests 2
 # the same with every step eager (no CUDA graphs: vLLM's --enforce-eager)

@@ -8,18 +8,24 @@ import random
 import pytest
 import torch
 
-from engine.kernels import cpu_kernels
+from engine.kernels import cpu_kernels, triton_attention, triton_sample
+from engine.model import sampler
 from engine.model.sampler import CANDIDATES, penalize, sample, uniforms
 from engine.sequence import SamplingParams, Sequence
 
 
-@pytest.fixture(params=["aten", "kernel"])
+@pytest.fixture(params=["aten", "kernel", "triton"])
 def plain_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Temperature-only rows picked by ATen's ops or by crowdchat's CPU kernel
-    (csrc/sample.cpp), whichever the test runs with."""
+    """Temperature-only rows picked by ATen's ops, by crowdchat's CPU kernel
+    (csrc/sample.cpp) or by the CUDA path's Triton kernel (here under Triton's interpreter),
+    whichever the test runs with."""
     if request.param == "kernel":
         if not cpu_kernels.load():
             pytest.skip("crowdchat's CPU kernels are not built here")
+    elif request.param == "triton":
+        if not triton_attention.available():
+            pytest.skip("triton not installed")
+        monkeypatch.setattr(sampler, "_plain_picks", triton_sample.sample_rows)
     else:
         monkeypatch.setattr(cpu_kernels, "loaded", lambda: False)
     return request.param
@@ -58,6 +64,8 @@ def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def test_matches_the_reference_distribution(plain_path: str) -> None:
+    if plain_path == "triton":  # 20,000 programs: minutes in the interpreter
+        pytest.skip("the Triton pick is checked against the exact inverse CDF below")
     torch.manual_seed(0)
     logits = torch.randn(40) * 2
     for params in (
@@ -230,6 +238,38 @@ def test_unseeded_requests_draw_differently() -> None:
     assert len(picks) > 10
 
 
+def inverse_cdf_cases(gen: torch.Generator, sizes: tuple[int, ...]):  # noqa: ANN201
+    """Per vocabulary size: float32 rows of one logit vector (a third -inf) under 200
+    uniforms spread over [0, 1) (0 and just below 1 among them), the uniforms, the float64
+    inverse CDF's picks, where u x total lies clear of a boundary, and the weights."""
+    for v in sizes:
+        row = torch.randn(v, generator=gen, dtype=torch.float64) * 4
+        if v > 2:
+            row[torch.randperm(v, generator=gen)[: v // 3]] = float("-inf")
+        us = torch.cat([torch.tensor([0.0, 1 - 2**-53]), torch.rand(198, generator=gen).double()])
+        rows = row.float()[None].repeat(len(us), 1).contiguous()
+        w = (row.float().double() - row.max()).exp()
+        cdf = w.cumsum(0)
+        at = us * cdf[-1]
+        want = torch.searchsorted(cdf, at[:, None], right=True)[:, 0].clamp(max=v - 1)
+        clear = (cdf[None, :] - at[:, None]).abs().amin(1) > 1e-5 * cdf[-1]
+        yield v, rows, us, want, clear, w
+
+
+def test_the_triton_sampler_picks_the_float64_inverse_cdf() -> None:
+    """The CUDA path's Triton pick (engine/kernels/triton_sample.py, under the interpreter
+    here) against the exact inverse CDF: the same token wherever u x total lies clear of a
+    boundary, never a -inf logit, one block and several (4,096 logits a pass), no rows."""
+    if not triton_attention.available():
+        pytest.skip("triton not installed")
+    gen = torch.Generator().manual_seed(4)
+    for v, rows, us, want, clear, w in inverse_cdf_cases(gen, (1, 5, 64, 65, 4097, 9000)):
+        got = triton_sample.sample_rows(rows, us)
+        assert torch.equal(got[clear], want[clear]), v
+        assert bool((w[got] > 0).all()), v  # never a -inf logit
+    assert triton_sample.sample_rows(torch.empty(0, 7), torch.empty(0).double()).numel() == 0
+
+
 def test_the_cpu_kernel_picks_the_float64_inverse_cdf() -> None:
     """crowdchat::sample_rows_ against the exact inverse CDF in float64, at 200 uniforms a
     row spread over [0, 1): the same token wherever u x total lies clear of a boundary (the
@@ -238,18 +278,8 @@ def test_the_cpu_kernel_picks_the_float64_inverse_cdf() -> None:
     if not cpu_kernels.load():
         pytest.skip("crowdchat's CPU kernels are not built here")
     gen = torch.Generator().manual_seed(3)
-    for v in (1, 5, 16, 63, 64, 65, 1000, 49_152):
-        row = torch.randn(v, generator=gen, dtype=torch.float64) * 4
-        if v > 2:
-            row[torch.randperm(v, generator=gen)[: v // 3]] = float("-inf")
-        us = torch.cat([torch.tensor([0.0, 1 - 2**-53]), torch.rand(198, generator=gen).double()])
-        rows = row.float()[None].repeat(len(us), 1).contiguous()
+    for v, rows, us, want, clear, w in inverse_cdf_cases(gen, (1, 5, 16, 63, 64, 65, 1000, 49_152)):
         got = torch.ops.crowdchat.sample_rows_(rows, us)
-        w = (row.float().double() - row.max()).exp()
-        cdf = w.cumsum(0)
-        at = us * cdf[-1]
-        want = torch.searchsorted(cdf, at[:, None], right=True)[:, 0].clamp(max=v - 1)
-        clear = (cdf[None, :] - at[:, None]).abs().amin(1) > 1e-5 * cdf[-1]
         assert torch.equal(got[clear], want[clear]), v
         assert bool((w[got] > 0).all()), v  # never a -inf logit
     empty = torch.empty(0, 7)
