@@ -13,6 +13,13 @@ from engine.model import sampler
 from engine.model.sampler import CANDIDATES, penalize, sample, uniforms
 from engine.sequence import SamplingParams, Sequence
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: Triton's interpreter
+
+
+def triton_picks(rows: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The Triton pick where it runs (a GPU, else the interpreter), back on the rows' device."""
+    return triton_sample.sample_rows(rows.to(DEVICE), u.to(DEVICE)).to(rows.device)
+
 
 @pytest.fixture(params=["aten", "kernel", "triton"])
 def plain_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -25,7 +32,7 @@ def plain_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     elif request.param == "triton":
         if not triton_attention.available():
             pytest.skip("triton not installed")
-        monkeypatch.setattr(sampler, "_plain_picks", triton_sample.sample_rows)
+        monkeypatch.setattr(sampler, "_plain_picks", triton_picks)
     else:
         monkeypatch.setattr(cpu_kernels, "loaded", lambda: False)
     return request.param
@@ -264,10 +271,10 @@ def test_the_triton_sampler_picks_the_float64_inverse_cdf() -> None:
         pytest.skip("triton not installed")
     gen = torch.Generator().manual_seed(4)
     for v, rows, us, want, clear, w in inverse_cdf_cases(gen, (1, 5, 64, 65, 4097, 9000)):
-        got = triton_sample.sample_rows(rows, us)
+        got = triton_picks(rows, us)
         assert torch.equal(got[clear], want[clear]), v
         assert bool((w[got] > 0).all()), v  # never a -inf logit
-    assert triton_sample.sample_rows(torch.empty(0, 7), torch.empty(0).double()).numel() == 0
+    assert triton_picks(torch.empty(0, 7), torch.empty(0).double()).numel() == 0
 
 
 def test_the_cpu_kernel_picks_the_float64_inverse_cdf() -> None:
