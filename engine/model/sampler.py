@@ -197,9 +197,11 @@ def sample_tensor(
     for s in picked:
         s.draws += 1
     temps = _to(dev, [s.params.temperature for s in picked], logits.dtype)[:, None]
+    plain = [j for j, s in enumerate(picked) if not s.params.top_k and s.params.top_p >= 1]
+    if len(plain) == n:  # every row temperature-only (the API's default): no index copies
+        return _plain_picks(logits.div_(temps), u)
     at = _to(dev, sampled, torch.int64)
     rows = (logits if len(sampled) == n else logits.index_select(0, at)).div_(temps)
-    plain = [j for j, s in enumerate(picked) if not s.params.top_k and s.params.top_p >= 1]
     filtered = sorted(set(range(len(picked))) - set(plain))
     picks = torch.empty(len(picked), dtype=torch.int64, device=dev)
     if plain:  # temperature only (the API's default): the whole vocabulary, no sort, in place
