@@ -162,7 +162,9 @@ def test_rope_and_the_kv_write_fused_give_the_same_step_bitwise(
     one kernel each, within rounding of the tensor ops."""
     directory = build("llama", tmp_path_factory.mktemp("half") / "llama", nf4_model.tokenizer)
     config = EngineConfig(model=str(directory), data_dir=directory, quant="none", dtype="float16")
-    half = replace(load_model(config), cuda_attention="triton", decode_buckets=(1, 2, 4))
+    half = replace(
+        load_model(config), cuda_attention="triton", decode_buckets=(1, 2, 4), triton_layers=True
+    )
     engine = make_engine(half, tmp_path, quant="none", dtype="float16", model="tiny")
     engine.shutdown()  # drive the runner on this thread
     runner, cache = engine.runner, engine.cache  # type: ignore[attr-defined]

@@ -73,6 +73,9 @@ class LoadedModel:
     # CUDA with the Triton kernel: the batch buckets a step of decodes is padded to and
     # replayed as a CUDA graph (engine.model.static_decode); () where steps run eagerly
     decode_buckets: tuple[int, ...] = ()
+    # CUDA, bf16/fp16, the flat forward: RoPE with the K/V write and the residual adds with
+    # their norms in Triton (engine.kernels.triton_layer; the KV fingerprint names it)
+    triton_layers: bool = False
 
     def fingerprint(self, block_size: int) -> dict[str, str | int]:
         """What a KV snapshot must match to be reused by this model: everything that
@@ -240,6 +243,7 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
         if why:
             log.warning("the Triton attention kernel failed its check (%s): gathered instead", why)
             cuda_attention = "gather"
+    triton_layers = triton_layer.used(cuda_attention, dtype) and fits(model)
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -260,9 +264,10 @@ def _load_model(config: EngineConfig, startup: Startup) -> LoadedModel:
         numerics=numerics_versions()
         + (f" kernels={cpu_kernels.isa()}" if device.type == "cpu" else "")
         + (f" attention={cuda_attention}" if cuda_attention else "")
-        + (" layers=triton" if triton_layer.used(cuda_attention, dtype) and fits(model) else ""),
+        + (" layers=triton" if triton_layers else ""),
         cuda_attention=cuda_attention,
         decode_buckets=decode_buckets(config, cuda_attention),
+        triton_layers=triton_layers,
     )
     log.info(
         "loaded %s (%s via %s, %s) on %s: %.1f MB of weights",

@@ -98,7 +98,7 @@ class ModelRunner:
         if loaded.cuda_attention == "triton":
             self.decode_kernel = triton_attention.paged_decode_attention
             self.prefill_kernel = triton_attention.paged_prefill_attention
-        if triton_layer.used(loaded.cuda_attention, loaded.dtype) and self.lean is not None:
+        if loaded.triton_layers and self.lean is not None:
             self.rope_store = triton_layer.rope_store
             self.lean.norm_kernel = triton_layer.add_rms_norm
         # CUDA with the Triton kernel: steps of decodes on persistent buffers, one captured
