@@ -37,6 +37,15 @@ def tiny(nf4_model: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Lo
     return replace(load_model(config), cuda_attention="triton", decode_buckets=(1, 2, 4))
 
 
+def three_prompts(seed: int) -> list[Sequence]:
+    """Three sequences of 5, 17 and 40 random tokens (blocks of their own once prefilled)."""
+    rng = random.Random(seed)
+    return [
+        Sequence([rng.randrange(100, 2000) for _ in range(n)], SamplingParams())
+        for n in (5, 17, 40)
+    ]
+
+
 def engine_for(loaded: LoadedModel, tmp: Path, **overrides: object) -> Engine:
     return make_engine(loaded, tmp, quant="none", dtype="float32", model="tiny", **overrides)
 
@@ -100,11 +109,7 @@ def test_padded_rows_write_only_the_scratch_block(tiny: LoadedModel, tmp_path: P
     runner, pool, cache = engine.runner, engine.pool, engine.cache  # type: ignore[attr-defined]
     static: StaticDecode = runner.static
     assert cache.scratch_block == pool.num_blocks  # one block past what the pool hands out
-    rng = random.Random(3)
-    seqs = [
-        Sequence([rng.randrange(100, 2000) for _ in range(n)], SamplingParams())
-        for n in (5, 17, 40)
-    ]
+    seqs = three_prompts(3)
     with torch.inference_mode():
         prefilled(engine, seqs)
         assert cache.scratch_block not in {b for s in seqs for b in s.block_table}
@@ -173,11 +178,7 @@ def test_rope_and_the_kv_write_fused_give_the_same_step_bitwise(
     calls = []
     fused_op = runner.rope_store
     counted = lambda *a: calls.append(1) or fused_op(*a)  # noqa: E731
-    rng = random.Random(5)
-    seqs = [
-        Sequence([rng.randrange(100, 2000) for _ in range(n)], SamplingParams())
-        for n in (5, 17, 40)
-    ]
+    seqs = three_prompts(5)
     with torch.inference_mode():
         prefilled(engine, seqs)
         before = cache.data[:, :, :, : cache.scratch_block * cache.block_size].clone()
