@@ -153,10 +153,7 @@ def test_the_engine_on_the_triton_kernels_replies_as_on_the_cpu_kernels(
             runner.decode_kernel = counted(runner.decode_kernel, calls, "decode")
             runner.prefill_kernel = counted(runner.prefill_kernel, calls, "prefill")
         try:
-            handles = [engine.submit(ids, greedy) for ids in prompts]
-            for h in handles:
-                h.result()
-            replies.append([h.token_ids for h in handles])
+            replies.append(engine.generate(prompts, greedy))
         finally:
             engine.check_integrity()
             engine.shutdown()
