@@ -26,6 +26,10 @@ def _both_ways(loaded: LoadedModel, tmp: Path, seed: int, vocab: int = 20000) ->
     engine.shutdown()  # drive the runner on this thread
     runner, pool = engine.runner, engine.pool
     assert isinstance(runner.lean, LeanLlama)
+    # the default nf4 mode on built kernels takes `_cpu_attention` (RoPE and the K/V write in
+    # C++) for prefills and mixed steps too
+    own = loaded.quant == "nf4" and loaded.model.dtype == torch.float32 and cpu_kernels.load()
+    assert runner.lean.cpu_glue == own
     rng = random.Random(seed)
     seqs: list[Sequence] = []
     for _ in range(rng.randint(3, 6)):

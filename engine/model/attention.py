@@ -68,8 +68,9 @@ class StepMetadata:
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, T, D]
-    key: torch.Tensor,  # [1, H_kv, T, D]
-    value: torch.Tensor,  # [1, H_kv, T, D]
+    key: torch.Tensor
+    | None,  # [1, H_kv, T, D]; None: already in the pool (`crowdchat::rope_store`)
+    value: torch.Tensor | None,  # [1, H_kv, T, D]; None with key
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
@@ -78,7 +79,8 @@ def paged_attention(
     softcap: float | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """Write this step's K/V into the pool, then attend per sequence. Returns `[1, T, H, D]`.
+    """Write this step's K/V into the pool (unless `key` and `value` are None: written
+    already), then attend per sequence. Returns `[1, T, H, D]`.
     A layer with a `sliding_window` (Mistral, Gemma) sees only that many last positions; one
     with `softcap` (Gemma 2) caps its scores as `softcap * tanh(s / softcap)`: these take the
     gathered path (the runner turns the CPU kernels off for such models, `needs_general`)."""
@@ -89,8 +91,19 @@ def paged_attention(
         assert meta.decode_kernel is None and meta.prefill_kernel is None
     layer = module.layer_idx
     kc, vc = meta.k_cache[layer], meta.v_cache[layer]
-    kc.index_copy_(1, meta.slot_mapping, key[0].to(kc.dtype))  # [H_kv, T, D]
-    vc.index_copy_(1, meta.slot_mapping, value[0].to(vc.dtype))
+    if key is not None and value is not None:
+        kc.index_copy_(1, meta.slot_mapping, key[0].to(kc.dtype))  # [H_kv, T, D]
+        vc.index_copy_(1, meta.slot_mapping, value[0].to(vc.dtype))
+
+    def chunk_kv(c: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk's own K/V `[1, H_kv, n, D]` as the pool stores them, in the query's dtype."""
+        if key is None or value is None:  # read back: the same values `_as_stored` gives
+            slots = meta.slot_mapping[c.start : c.end]
+            k, v = kc.index_select(1, slots), vc.index_select(1, slots)
+            return k.unsqueeze(0).to(query.dtype), v.unsqueeze(0).to(query.dtype)
+        k, v = key[:, :, c.start : c.end], value[:, :, c.start : c.end]
+        return _as_stored(k, kc.dtype), _as_stored(v, vc.dtype)
+
     _, h, t, d = query.shape
     out = query.new_empty(t, h, d)
     hkv, bs = kc.shape[0], meta.block_size
@@ -130,8 +143,7 @@ def paged_attention(
         if special.any:
             n = c.end - c.start
             if c.context_slots is None:
-                k = _as_stored(key[:, :, c.start : c.end], kc.dtype)
-                v = _as_stored(value[:, :, c.start : c.end], vc.dtype)
+                k, v = chunk_kv(c)
                 mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
             else:
                 k = kc.index_select(1, c.context_slots).unsqueeze(0).to(q.dtype)
@@ -145,8 +157,7 @@ def paged_attention(
         if c.context_slots is None:
             # as the pool stores them: the same K/V whether a prompt is prefilled in one
             # chunk, in several, or after a restored prefix
-            k = _as_stored(key[:, :, c.start : c.end], kc.dtype)
-            v = _as_stored(value[:, :, c.start : c.end], vc.dtype)
+            k, v = chunk_kv(c)
             o = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scaling, enable_gqa=True
             )

@@ -22,6 +22,7 @@ parallel region; above, the fused q/k/v output goes straight into one `crowdchat
 call (RoPE on q and k, the new K/V into the pool), then the paged attention op and the
 projections' float16 dense copies: ~14 Python calls a layer instead of ~50. The same values
 bitwise, and 1.6x faster at one row, 1.15x at eight (README "A decode step on the kernels").
+Prefills and mixed steps there take `rope_store` and `silu_mul` too (`_cpu_attention`).
 
 On CUDA with bfloat16 or float16 compute (engine.kernels.triton_layer), each residual add and
 the norm after it are one Triton kernel, and a step of decodes takes RoPE and the K/V write as
@@ -155,6 +156,8 @@ class LeanLlama:
             self.q4_rows = 0  # `decode_stack` takes one scale for every layer
         # False: every step takes `forward`'s general loop (benchmarks and tests compare them)
         self.kernel_decodes = bool(self.q4_rows) or self.dense_above
+        # every layer's projections on crowdchat's 4-bit kernel: its CPU ops are built
+        self.cpu_glue = bool(self.layers) and all(layer.q4 is not None for layer in self.layers)
 
     def forward(
         self,
@@ -183,9 +186,22 @@ class LeanLlama:
         fused = fused and not meta.prefills and len(meta.decode_groups) == 1
         rows = cos[0], sin[0]  # [T, D]
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]: broadcast over heads
+        # the CPU's 4-bit kernels in float32, any step: RoPE with the K/V write in one C++ call
+        # and SiLU with its product in another (the same values bitwise). In a prefill each of
+        # the ~10 ATen calls they replace a layer was a parallel region waking the other core
+        glue = self.cpu_glue and h.dtype == torch.float32 and h.device.type == "cpu"
+        if glue:
+            rows = rows[0].contiguous(), rows[1].contiguous()
         norms = [layer.norm1 for layer in self.layers] + [self.final_norm]  # each layer's first
         h, x = self._add_norm(norms[0], h, None)
         for layer, after in zip(self.layers, norms[1:], strict=True):
+            if glue and layer.q4 is not None and not layer.q4[0].uses_dense(x):
+                o = self._cpu_attention(layer, x, *rows, meta)  # [1, T, H, D]
+                h, x = self._add_norm(layer.norm2, h, layer.o_proj(o.reshape(1, t, -1)))
+                gate, up = layer.gate_up(x)
+                product = torch.ops.crowdchat.silu_mul(gate[0], up[0])  # F.silu(gate) * up
+                h, x = self._add_norm(after, h, layer.down(product.unsqueeze(0)))
+                continue
             q, k, v = layer.qkv(x)
             if fused:
                 o = self._fused_attention(layer, q[0], k[0], v[0], *rows, meta)  # [T, H, D]
@@ -213,6 +229,35 @@ class LeanLlama:
         if delta is not None:
             h = h + delta
         return h, rms_norm(norm, h)
+
+    def _cpu_attention(
+        self,
+        layer: Layer,
+        x: torch.Tensor,  # [1, T, C]
+        cos: torch.Tensor,  # [T, D] contiguous
+        sin: torch.Tensor,
+        meta: StepMetadata,
+    ) -> torch.Tensor:  # [1, T, H, D]
+        """A layer's attention on the CPU kernels for any step: the fused q/k/v output straight
+        into `crowdchat::rope_store` (RoPE on q and k, the new K/V into the pool, bitwise the
+        tensor ops and `index_copy_`), then `paged_attention` with the K/V already stored."""
+        assert layer.q4 is not None
+        i = layer.attn.layer_idx
+        qkv = layer.q4[0](x)  # [1, T, (H + 2 H_kv) D]: what `layer.qkv` splits
+        query = torch.ops.crowdchat.rope_store(
+            qkv[0], cos, sin, meta.k_cache[i], meta.v_cache[i], meta.slot_mapping,
+            self.heads, self.kv_heads,
+        )  # fmt: skip
+        o, _ = paged_attention(
+            layer.attn,
+            query.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
+            None,
+            None,
+            None,
+            scaling=layer.attn.scaling,
+            crowdchat=meta,
+        )
+        return o
 
     def _fused_attention(
         self,

@@ -12,6 +12,8 @@
 
 #include "kernels.h"
 
+#include <algorithm>
+
 namespace {
 
 // elements per thread below which one thread does it all (waking the other costs more)
@@ -60,8 +62,13 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   const float* ap = act.data_ptr<float>();
   const float* up_p = up.data_ptr<float>();
   float* pp = product.data_ptr<float>();
-  for (int64_t r = 0; r < t; ++r)
-    for (int64_t i = 0; i < inner; ++i) pp[r * inner + i] = ap[r * inner + i] * up_p[r * ld + i];
+  // a prefill's rows over the threads (each value its own product: the same either way)
+  at::parallel_for(0, t, std::max<int64_t>(1, kGrain / std::max<int64_t>(inner, 1)),
+                   [&](int64_t r0, int64_t r1) {
+                     for (int64_t r = r0; r < r1; ++r)
+                       for (int64_t i = 0; i < inner; ++i)
+                         pp[r * inner + i] = ap[r * inner + i] * up_p[r * ld + i];
+                   });
   return product;
 }
 

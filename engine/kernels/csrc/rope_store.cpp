@@ -11,13 +11,18 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include "kernels.h"
 
+#include <algorithm>
+
 namespace {
+
+constexpr int64_t kParallelValues = int64_t{1} << 16;  // fewer: one thread does them all
 
 // out[i] = x[i] * c[i] + rotate_half(x)[i] * s[i] for one head of `d` values
 inline void rope_head(const float* x, const float* c, const float* s, float* out, int64_t d) {
@@ -45,24 +50,30 @@ void store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
   float* qp = q_out.data_ptr<float>();
   T* kp = k_cache.data_ptr<T>();
   T* vp = v_cache.data_ptr<T>();
-  float roped[256];
-  for (int64_t r = 0; r < t; ++r) {
-    const float* row = src + r * qkv.size(1);
-    const float* c = cp + r * d;
-    const float* s = sp + r * d;
-    for (int64_t h = 0; h < heads; ++h) rope_head(row + h * d, c, s, qp + (r * heads + h) * d, d);
-    const float* k = row + heads * d;
-    const float* v = k + kv_heads * d;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      rope_head(k + h * d, c, s, roped, d);
-      T* kd = kp + (h * slots_n + slots[r]) * d;
-      T* vd = vp + (h * slots_n + slots[r]) * d;
-      for (int64_t i = 0; i < d; ++i) {
-        kd[i] = static_cast<T>(roped[i]);
-        vd[i] = static_cast<T>(v[h * d + i]);
+  // a prefill's rows over the threads (rows write their own slots: the same either way); a
+  // decode's few rows, or any inside decode_stack's parallel region, on the calling thread
+  const int64_t grain = std::max<int64_t>(1, kParallelValues / ((heads + 2 * kv_heads) * d));
+  at::parallel_for(0, t, grain, [&](int64_t r0, int64_t r1) {
+    float roped[256];
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = src + r * qkv.size(1);
+      const float* c = cp + r * d;
+      const float* s = sp + r * d;
+      for (int64_t h = 0; h < heads; ++h)
+        rope_head(row + h * d, c, s, qp + (r * heads + h) * d, d);
+      const float* k = row + heads * d;
+      const float* v = k + kv_heads * d;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rope_head(k + h * d, c, s, roped, d);
+        T* kd = kp + (h * slots_n + slots[r]) * d;
+        T* vd = vp + (h * slots_n + slots[r]) * d;
+        for (int64_t i = 0; i < d; ++i) {
+          kd[i] = static_cast<T>(roped[i]);
+          vd[i] = static_cast<T>(v[h * d + i]);
+        }
       }
     }
-  }
+  });
 }
 
 }  // namespace
