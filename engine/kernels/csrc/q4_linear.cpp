@@ -301,7 +301,7 @@ at::Tensor int8_dot(const at::Tensor& x, const at::Tensor& packed, const at::Ten
 #define CROWDCHAT_Q8_ACT 1
 
 constexpr int kTileRows = 16;        // rows of x in an AMX tile
-constexpr int64_t kHeadTileChunk = 32;  // int8_dot_q8's rows of x a pass on tiles
+constexpr int64_t kHeadChunk = 32;  // int8_dot_q8's rows of x a pass over the weights
 constexpr int64_t kTileMinRows = 10;  // fewer rows: `vpdpbusd` (at 8, AMX was 0.9-1.0x)
 std::atomic<bool> amx_wanted{true};  // `set_amx`
 
@@ -452,15 +452,15 @@ bool amx_on() { return false; }
 bool use_tiles(int64_t m) { return m >= kTileMinRows && amx_on(); }
 
 // The int8-activation kernels' loop (over_blocks): tiles of kTileRows rows inside each
-// thread's tile configuration where `tiles` (`tile_chunk` rows of x a pass over the weights),
-// else of kDotRows rows
+// thread's tile configuration where `tiles`, else of kDotRows rows; `chunk` rows of x a pass
+// over the weights
 template <typename Tile, typename Start = NoStart>
 void over_blocks_q8(bool tiles, int64_t m, int64_t blocks, int64_t work, const Tile& tile,
-                    const Start& start = Start{}, int64_t tile_chunk = kDotChunk) {
+                    const Start& start = Start{}, int64_t chunk = kDotChunk) {
 #ifdef CROWDCHAT_AMX
-  if (tiles) return over_blocks<kTileRows>(m, blocks, tile_chunk, work, tile, start, Tiles{});
+  if (tiles) return over_blocks<kTileRows>(m, blocks, chunk, work, tile, start, Tiles{});
 #endif
-  over_blocks<kDotRows>(m, blocks, kDotChunk, work, tile, start);
+  over_blocks<kDotRows>(m, blocks, chunk, work, tile, start);
 }
 
 // One block's 4-bit groups as `vpdpbusd` (and an AMX tile) takes them, into `w` (8 vectors
@@ -610,10 +610,12 @@ at::Tensor int8_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::
     f(pp + b * k * 16, sp + b * 16, xr.q.data() + r0 * k, xr.d.data() + r0 * groups,
       xr.qsum.data() + r0 * groups, k, groups, yp + r0 * n + b * 16, n);
   };
-  // on tiles 32 rows a pass: the output projection at 64 / 96 / 128 rows took 5.6 / 9.5 / 15.3
-  // ms with 64 against 4.0 / 5.8 / 8.2 (2-core Sapphire Rapids VM; 32 rows 2.0 either way).
-  // The 4-bit kernels keep 64: they unpack a block's weights once a pass
-  over_blocks_q8(tiles, m, blocks, m * n * k, tile, NoStart{}, kHeadTileChunk);
+  // 32 rows a pass (their int8 x stays in L1): the output projection at 64 / 96 / 128 rows
+  // took 5.6 / 9.5 / 15.3 ms on tiles with 64 a pass against 4.0 / 5.8 / 8.2, on `vpdpbusd`
+  // (AMX off) 5.8-6.2 / 8.7-8.8 / 12.3-13.0 against 5.3-5.4 / 7.6-7.7 / 10.4-10.6 (2-core
+  // Sapphire Rapids VM; 32 rows the same). The 4-bit kernels keep 64: they unpack a block's
+  // weights once a pass
+  over_blocks_q8(tiles, m, blocks, m * n * k, tile, NoStart{}, kHeadChunk);
   return y;
 }
 #endif  // __AVX512VNNI__
