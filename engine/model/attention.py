@@ -68,8 +68,7 @@ class StepMetadata:
 def paged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [1, H, T, D]
-    key: torch.Tensor
-    | None,  # [1, H_kv, T, D]; None: already in the pool (`crowdchat::rope_store`)
+    key: torch.Tensor | None,  # [1, H_kv, T, D]; None: in the pool already (rope_store)
     value: torch.Tensor | None,  # [1, H_kv, T, D]; None with key
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
@@ -95,12 +94,15 @@ def paged_attention(
         kc.index_copy_(1, meta.slot_mapping, key[0].to(kc.dtype))  # [H_kv, T, D]
         vc.index_copy_(1, meta.slot_mapping, value[0].to(vc.dtype))
 
+    def from_pool(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V at `slots`, `[1, H_kv, L, D]` in the query's dtype."""
+        k, v = kc.index_select(1, slots), vc.index_select(1, slots)
+        return k.unsqueeze(0).to(query.dtype), v.unsqueeze(0).to(query.dtype)
+
     def chunk_kv(c: PrefillChunk) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk's own K/V `[1, H_kv, n, D]` as the pool stores them, in the query's dtype."""
         if key is None or value is None:  # read back: the same values `_as_stored` gives
-            slots = meta.slot_mapping[c.start : c.end]
-            k, v = kc.index_select(1, slots), vc.index_select(1, slots)
-            return k.unsqueeze(0).to(query.dtype), v.unsqueeze(0).to(query.dtype)
+            return from_pool(meta.slot_mapping[c.start : c.end])
         k, v = key[:, :, c.start : c.end], value[:, :, c.start : c.end]
         return _as_stored(k, kc.dtype), _as_stored(v, vc.dtype)
 
@@ -146,8 +148,7 @@ def paged_attention(
                 k, v = chunk_kv(c)
                 mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
             else:
-                k = kc.index_select(1, c.context_slots).unsqueeze(0).to(q.dtype)
-                v = vc.index_select(1, c.context_slots).unsqueeze(0).to(q.dtype)
+                k, v = from_pool(c.context_slots)
                 mask = c.mask
             first = mask.shape[1] - n  # the chunk's first position
             rows = torch.arange(first, first + n, device=q.device)[:, None]  # [n, 1]
@@ -162,8 +163,7 @@ def paged_attention(
                 q, k, v, is_causal=True, scale=scaling, enable_gqa=True
             )
         else:
-            k = kc.index_select(1, c.context_slots).unsqueeze(0).to(q.dtype)  # [1, H_kv, L, D]
-            v = vc.index_select(1, c.context_slots).unsqueeze(0).to(q.dtype)
+            k, v = from_pool(c.context_slots)  # [1, H_kv, L, D]
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=c.mask, scale=scaling, enable_gqa=True
             )

@@ -195,17 +195,14 @@ class LeanLlama:
         norms = [layer.norm1 for layer in self.layers] + [self.final_norm]  # each layer's first
         h, x = self._add_norm(norms[0], h, None)
         for layer, after in zip(self.layers, norms[1:], strict=True):
-            if glue and layer.q4 is not None and not layer.q4[0].uses_dense(x):
+            cpu = glue and layer.q4 is not None and not layer.q4[0].uses_dense(x)
+            if cpu:
                 o = self._cpu_attention(layer, x, *rows, meta)  # [1, T, H, D]
-                h, x = self._add_norm(layer.norm2, h, layer.o_proj(o.reshape(1, t, -1)))
-                gate, up = layer.gate_up(x)
-                product = torch.ops.crowdchat.silu_mul(gate[0], up[0])  # F.silu(gate) * up
-                h, x = self._add_norm(after, h, layer.down(product.unsqueeze(0)))
-                continue
-            q, k, v = layer.qkv(x)
-            if fused:
+            elif fused:
+                q, k, v = layer.qkv(x)
                 o = self._fused_attention(layer, q[0], k[0], v[0], *rows, meta)  # [T, H, D]
             else:
+                q, k, v = layer.qkv(x)
                 # RoPE on q and k in one pass (transformers' own formula and `rotate_half`)
                 qk = torch.cat((q, k), dim=-1).view(t, nq + nkv, d)
                 qk = qk * cos + rotate_half(qk) * sin
@@ -217,7 +214,11 @@ class LeanLlama:
                 )  # [1, T, H, D]
             h, x = self._add_norm(layer.norm2, h, layer.o_proj(o.reshape(1, t, -1)))
             gate, up = layer.gate_up(x)
-            h, x = self._add_norm(after, h, layer.down(F.silu(gate) * up))
+            if cpu:  # F.silu(gate) * up in one C++ call
+                product = torch.ops.crowdchat.silu_mul(gate[0], up[0]).unsqueeze(0)
+            else:
+                product = F.silu(gate) * up
+            h, x = self._add_norm(after, h, layer.down(product))
         return self.lm_head(x[:, logit_rows])[0]  # x: the final norm's rows
 
     def _add_norm(
