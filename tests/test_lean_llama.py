@@ -140,6 +140,8 @@ def _decodes_both_ways(loaded: LoadedModel, tmp: Path, seed: int) -> int:
     runner, pool, cache = engine.runner, engine.pool, engine.runner.cache
     lean = runner.lean
     assert isinstance(lean, LeanLlama) and lean.q4_rows >= 4
+    # the int8-activation kernels (AVX512-VNNI, AVX2) split a few-row step's columns
+    assert lean.shared_decodes == cpu_kernels.q8_activations()
     all_threads = torch.get_num_threads()
     assert all_threads > 1, "the suite runs where torch has more than one thread"
     taken = []
@@ -167,18 +169,22 @@ def _decodes_both_ways(loaded: LoadedModel, tmp: Path, seed: int) -> int:
                 ]
             )
             written = []
-            # the lean forward on all threads and on one (a few-row step's, SERIAL_ROWS), then
-            # transformers' loop
-            for forward_with, threads in ((lean, all_threads), (lean, 1), (None, all_threads)):
+            # the lean forward on all threads (each matmul's columns split over them up to 8
+            # rows a thread, `decode_stack_shared`; and with the rows split at every count),
+            # on one (a few-row step's, SERIAL_ROWS), then transformers' loop
+            ways = ((lean, all_threads, True), (lean, all_threads, False), (lean, 1, True))
+            for forward_with, threads, shared in (*ways, (None, all_threads, True)):
                 for kv in (*cache.k, *cache.v):
                     kv[:, slots] = float("nan")
                 runner.lean = forward_with
                 torch.ops.crowdchat.omp_threads(threads)
+                before = torch.ops.crowdchat.set_shared_decode(shared)
                 try:
                     logits = runner.forward(plan)
                 finally:
                     runner.lean = lean
                     torch.ops.crowdchat.omp_threads(all_threads)
+                    torch.ops.crowdchat.set_shared_decode(before)
                 written.append((logits, [kv[:, slots].clone() for kv in (*cache.k, *cache.v)]))
             (fast, fast_kv), *others = written
             for slow, slow_kv in others:
@@ -199,4 +205,43 @@ def test_decodes_on_the_cpu_kernels_equal_transformers_bitwise(
     if not cpu_kernels.load():
         pytest.skip("crowdchat's CPU kernels cannot be built here")
     steps = run_in_fresh_thread(lambda: _decodes_both_ways(nf4_fp32_model, tmp_path, seed))
-    assert steps == 2 * 12  # every plan on the kernels' path, on all threads and on one
+    assert steps == 3 * 12  # every plan on the kernels' path, both splits and on one thread
+
+
+def test_a_failing_phase_of_a_shared_decode_step_raises_and_frees_the_threads(
+    nf4_fp32_model: LoadedModel, tmp_path: Path
+) -> None:
+    """An error inside `decode_stack_shared`'s parallel region (here: a KV pool the attention
+    refuses, met by the thread that has the row while the other waits at the next barrier)
+    comes back as the op's error; no thread is left waiting, and the next step runs."""
+    if not cpu_kernels.load():
+        pytest.skip("crowdchat's CPU kernels cannot be built here")
+
+    def run() -> None:
+        engine = make_engine(nf4_fp32_model, tmp_path, kv_budget_mb=64)
+        engine.shutdown()
+        lean = engine.runner.lean
+        assert isinstance(lean, LeanLlama) and lean.stack_weights
+        assert torch.get_num_threads() > 1
+        ops = torch.ops.crowdchat
+        c = nf4_fp32_model.model.config
+        d = c.hidden_size // c.num_attention_heads
+        h = torch.randn(1, c.hidden_size)
+        cos, sin = torch.ones(1, d), torch.zeros(1, d)
+        good = [torch.zeros(c.num_key_value_heads, 64, d) for _ in lean.layers]
+        bad = [torch.zeros(c.num_key_value_heads, 64, d, dtype=torch.float64)] * len(good)
+        args = (torch.tensor([3]), torch.tensor([[0, 1]]), torch.tensor([4]), 16, 0.125)
+        sizes = (c.num_attention_heads, c.num_key_value_heads)
+
+        def step(pool: list[torch.Tensor]) -> torch.Tensor:
+            weights = lean.stack_weights
+            return ops.decode_stack(h, weights, lean.eps, cos, sin, pool, pool, *args, *sizes)
+
+        with torch.inference_mode():
+            assert ops.set_shared_decode(True)
+            with pytest.raises(RuntimeError, match="KV pool dtype"):
+                step(bad)
+            out = step(good)
+            assert out.shape == h.shape and bool(out.isfinite().all())
+
+    run_in_fresh_thread(run)

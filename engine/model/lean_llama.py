@@ -151,6 +151,11 @@ class LeanLlama:
                 + [gate_up.scales_zeros, down.packed, down.scales_zeros]
             )
         self.stack_weights = [w for weights in self.layer_weights for w in weights]
+        # `decode_stack` splits a few-row step's matmul columns over the threads (csrc/
+        # decode_layer.cpp `decode_stack_shared`): one row pays for both cores there
+        self.shared_decodes = bool(self.stack_weights) and bool(
+            torch.ops.crowdchat.decode_stack_shares(self.stack_weights)
+        )
         self.scaling = self.layers[0].attn.scaling if self.layers else 1.0
         if any(layer.attn.scaling != self.scaling for layer in self.layers):
             self.q4_rows = 0  # `decode_stack` takes one scale for every layer

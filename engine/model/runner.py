@@ -53,7 +53,11 @@ PREFILL_KERNEL_TOKENS = 64
 # decode step on the 4-bit kernels is one region (`decode_stack`: its rows split over the
 # threads), which pays off from a few rows. Zen 5 EPYC, 2-core firecracker VM, decode step
 # alone / on both cores: 2 rows 4.9-5.9 / 5.7-6.0 ms, 4 rows 7.0-8.5 / 6.6-9.5, 8 rows
-# 10.3-12.1 / 8.0-8.2, 12 rows 18.8-19.7 / 9.8-10.2.
+# 10.3-12.1 / 8.0-8.2, 12 rows 18.8-19.7 / 9.8-10.2. Where a few-row decode step splits its
+# matmuls' columns over the threads instead (`LeanLlama.shared_decodes`, the int8-activation
+# kernels) every step takes all of them: 2-core Sapphire Rapids VM over HTTP, 1 / 2 / 4 users
+# 84.6-90.4 / 138.8-164.3 / 226.0-262.5 tokens/s against 68.9-75.2 / 120.0-124.2 /
+# 188.2-248.5 with this bound.
 SERIAL_ROWS = 3
 
 
@@ -251,10 +255,12 @@ class ModelRunner:
         return dict(zip(sampled, picks, strict=True))
 
     def _use_threads(self, rows: int) -> None:
-        """One OpenMP thread for a step of up to `SERIAL_ROWS` rows, else as many as the engine
+        """One OpenMP thread for a step of up to `SERIAL_ROWS` rows (none where few-row decode
+        steps split their matmuls' columns over the threads), else as many as the engine
         thread started with (`--threads`, or torch's default)."""
         self._all_threads = self._all_threads or torch.get_num_threads()
-        team = 1 if rows <= SERIAL_ROWS else self._all_threads
+        serial = 0 if getattr(self.lean, "shared_decodes", False) else SERIAL_ROWS
+        team = 1 if rows <= serial else self._all_threads
         if team != self._team:
             torch.ops.crowdchat.omp_threads(team)
             self._team = team

@@ -453,10 +453,18 @@ bool use_tiles(int64_t m) { return m >= kTileMinRows && amx_on(); }
 
 // The int8-activation kernels' loop (over_blocks): tiles of kTileRows rows inside each
 // thread's tile configuration where `tiles`, else of kDotRows rows; `chunk` rows of x a pass
-// over the weights
+// over the weights; `share`: only those blocks, on the calling thread
 template <typename Tile, typename Start = NoStart>
 void over_blocks_q8(bool tiles, int64_t m, int64_t blocks, int64_t work, const Tile& tile,
-                    const Start& start = Start{}, int64_t chunk = kDotChunk) {
+                    const Start& start = Start{}, int64_t chunk = kDotChunk,
+                    crowdchat::BlockShare share = crowdchat::BlockShare::all()) {
+  if (!share.whole()) {
+#ifdef CROWDCHAT_AMX
+    if (tiles)
+      return crowdchat::blocks_share<kTileRows>(m, share.b0, share.b1, chunk, tile, start, Tiles{});
+#endif
+    return crowdchat::blocks_share<kDotRows>(m, share.b0, share.b1, chunk, tile, start);
+  }
 #ifdef CROWDCHAT_AMX
   if (tiles) return over_blocks<kTileRows>(m, blocks, chunk, work, tile, start, Tiles{});
 #endif
@@ -521,14 +529,18 @@ void dot_block_q8(const uint8_t* pw, const __m512i* wu, const float* pso, const 
 
 // `so`: float32 [N/16, K/32, 32], per group the 16 columns' scales, then their offsets
 // zero - 8 scale (engine/cpu_quant.py `pack_for_dot(..., q8=True)`)
-at::Tensor q4_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& so) {
+// (y [M, N] float32: `share`'s columns written)
+void q4_dot_q8_into(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& so,
+                    at::Tensor& y, crowdchat::BlockShare share) {
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0), groups = packed.size(1);
   TORCH_CHECK(k == groups * kGroup, "x has ", k, " columns, the weights ", groups * kGroup);
   TORCH_CHECK(so.dim() == 3 && so.size(0) == blocks && so.size(1) == groups && so.size(2) == 32,
               "scales_offsets: float32 [N/16, K/32, 32]");
   const int64_t n = blocks * 16;
-  auto y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == m && y.size(1) == n && y.is_contiguous() &&
+                  y.scalar_type() == at::kFloat,
+              "y: contiguous float32 [M, N]");
+  if (m == 0) return;
   const bool tiles = use_tiles(m);
   const Int8Rows xr = int8_rows(x, tiles);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
@@ -554,7 +566,12 @@ at::Tensor q4_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::Te
       unpack_q8(pp + b * groups * 256, groups, wu.data());
     }
   };
-  over_blocks_q8(tiles, m, blocks, m * n * k, tile, unpack);
+  over_blocks_q8(tiles, m, blocks, m * n * k, tile, unpack, kDotChunk, share);
+}
+
+at::Tensor q4_dot_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& so) {
+  auto y = at::empty({x.size(0), packed.size(0) * 16}, x.options());
+  q4_dot_q8_into(x, packed, so, y, crowdchat::BlockShare::all());
   return y;
 }
 
@@ -652,6 +669,34 @@ bool set_amx(bool on) {
   amx_wanted.store(on);
 #endif
   return before;
+}
+
+// the AVX512-VNNI int8-activation layout (q4_dot_q8)
+static bool vnni_layout(const at::Tensor& packed, const at::Tensor& sz) {
+#ifdef CROWDCHAT_Q8_ACT
+  return packed.dim() == 3 && packed.size(2) == 256 && sz.scalar_type() == at::kFloat;
+#else
+  (void)packed, (void)sz;
+  return false;
+#endif
+}
+
+bool q4_linear_shares(const at::Tensor& packed, const at::Tensor& sz) {
+  const bool avx2 = packed.dim() == 3 && packed.size(2) == 128 && q8_avx2();
+  return packed.scalar_type() == at::kByte && packed.is_contiguous() && sz.is_contiguous() &&
+         (vnni_layout(packed, sz) || avx2);
+}
+
+void q4_linear_share(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
+                     int64_t part, int64_t parts, at::Tensor& y) {
+  TORCH_CHECK(q4_linear_shares(packed, sz), "q4_linear_share: the int8-activation layouts only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: float32 [M, K]");
+  TORCH_CHECK(parts > 0 && part >= 0 && part < parts, "share ", part, " of ", parts);
+  const auto share = BlockShare::of(packed.size(0), part, parts);
+#ifdef CROWDCHAT_Q8_ACT
+  if (vnni_layout(packed, sz)) return q4_dot_q8_into(x, packed, sz, y, share);
+#endif
+  q4_linear_q8_into(x, packed, sz, y, share);
 }
 
 bool q4_dot_layout() {

@@ -200,7 +200,8 @@ at::Tensor check_x(const at::Tensor& x, int64_t k) {
 
 namespace crowdchat {
 
-at::Tensor q4_linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz) {
+void q4_linear_q8_into(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
+                       at::Tensor& y, BlockShare share) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == 128 &&
                   packed.is_contiguous(),
               "packed: contiguous uint8 [N/8, K/32, 128]");
@@ -210,16 +211,28 @@ at::Tensor q4_linear_q8(const at::Tensor& x, const at::Tensor& packed, const at:
                   sz.size(1) == groups && sz.size(2) == 16 && sz.is_contiguous(),
               "scales_zeros: contiguous bfloat16 [N/8, K/32, 16]");
   const int64_t m = xc.size(0), n = blocks * 8;
-  auto y = at::empty({m, n}, xc.options());
-  if (m == 0 || n == 0) return y;
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == m && y.size(1) == n && y.is_contiguous() &&
+                  y.scalar_type() == at::kFloat,
+              "y: contiguous float32 [M, N]");
+  if (m == 0 || n == 0) return;
   const Int8Rows rows = int8_rows(xc);
   const uint8_t* pw = packed.data_ptr<uint8_t>();
   const auto* psz = reinterpret_cast<const uint16_t*>(sz.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  over_blocks<kTileRows>(m, blocks, kRowChunk, m * n * k, [&](auto r, int64_t b, int64_t r0) {
+  const auto tile = [&](auto r, int64_t b, int64_t r0) {
     q4_tile<decltype(r)::value>(pw + b * groups * 128, psz + b * groups * 16, rows, k, r0,
                                 yp + b * 8, n);
-  });
+  };
+  if (share.whole()) {
+    over_blocks<kTileRows>(m, blocks, kRowChunk, m * n * k, tile);
+  } else {
+    blocks_share<kTileRows>(m, share.b0, share.b1, kRowChunk, tile);
+  }
+}
+
+at::Tensor q4_linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz) {
+  auto y = at::empty({x.size(0), packed.size(0) * 8}, x.options());
+  q4_linear_q8_into(x, packed, sz, y, BlockShare::all());
   return y;
 }
 
@@ -250,6 +263,11 @@ at::Tensor int8_linear_q8(const at::Tensor& x, const at::Tensor& packed, const a
 namespace crowdchat {
 
 at::Tensor q4_linear_q8(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  TORCH_CHECK(false, "this build has no int8-activation kernel (AVX2)");
+}
+
+void q4_linear_q8_into(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
+                       BlockShare) {
   TORCH_CHECK(false, "this build has no int8-activation kernel (AVX2)");
 }
 
