@@ -22,6 +22,7 @@ from engine import (
     ServerBusy,
 )
 from engine.chat_format import ChatFormatter
+from engine.kernels import cpu_kernels
 from engine.model.kv_cache import bytes_per_token
 from engine.model.loader import LoadedModel
 from engine.model.plan import StepPlan
@@ -206,18 +207,33 @@ def test_a_dead_engine_thread_fails_everything_and_refuses_new_work(
     monkeypatch.setattr(nf4_engine.scheduler, "schedule", real)
 
 
-def test_a_few_row_step_runs_on_the_engine_thread_alone(
+def test_a_few_row_step_runs_on_the_engine_thread_alone_unless_it_splits_columns(
     nf4_engine: Engine, formatter: ChatFormatter
 ) -> None:
     """Up to SERIAL_ROWS rows a CPU step wakes no other thread (its kernels see one OpenMP
-    thread); a bigger step has them all, as every thread starts with."""
+    thread), unless its decode steps split their matmuls' columns over the threads
+    (`LeanLlama.shared_decodes`: the int8-activation kernels), where one row has them all; a
+    bigger step has them all, as every thread starts with."""
     threads = run_in_fresh_thread(torch.get_num_threads)
     assert threads > 1, "the suite runs where torch has more than one thread"
-    nf4_engine.submit(ask(formatter, "Hi"), SamplingParams(max_new_tokens=3)).result()
-    assert nf4_engine._call(torch.get_num_threads) == 1  # its last step: one decode row
     runner = nf4_engine.runner
+    shared = bool(getattr(runner.lean, "shared_decodes", False))
+    assert shared == cpu_kernels.q8_activations()
+    nf4_engine.submit(ask(formatter, "Hi"), SamplingParams(max_new_tokens=3)).result()
+    # its last step: one decode row
+    assert nf4_engine._call(torch.get_num_threads) == (threads if shared else 1)
     bigger = lambda: runner._use_threads(SERIAL_ROWS + 1) or torch.get_num_threads()  # noqa: E731
     assert nf4_engine._call(bigger) == threads
+
+    def one_row_split_by_rows() -> int:
+        lean, runner.lean = runner.lean, None  # no column split: the rows' bound holds
+        try:
+            runner._use_threads(1)
+            return torch.get_num_threads()
+        finally:
+            runner.lean = lean
+
+    assert nf4_engine._call(one_row_split_by_rows) == 1
     assert run_in_fresh_thread(torch.get_num_threads) == threads  # other threads untouched
 
 
