@@ -111,15 +111,6 @@ at::Tensor decode_layer(const at::Tensor& h, at::TensorList weights, double eps,
   return plus(attended, q4_linear(product, w[8], w[9]));
 }
 
-// Every layer of a decode step (`decode_layer` for each; weights: 10 a layer, in order; the
-// pool's halves one a layer), its rows split over the threads: each thread takes rows i,
-// i + n, i + 2n, ... (the rows come sorted by context length: like shares of attention) through
-// all the layers on its own, in one parallel region a step. Split op by op, each of a layer's
-// ~6 parallel regions woke the other core's sleeping thread (passive waits, engine/threads.py)
-// and waited for it at its end: on the 2-core Zen 5 EPYC, a firecracker VM where an idle vCPU
-// halts, 32 rows at context 200 took ~28.5 ms a step that way against ~21 with spinning waits.
-// Each row's values are what `decode_layer` gives it in any batch (its kernels are
-// batch-invariant), so the output is bitwise the per-layer loop's.
 // `decode_stack` with every matmul's output columns split over the threads instead of the
 // rows: each thread computes all the rows for its share of a layer's weights, so the weights
 // stream from memory once a step, not once a thread, and a block's unpacked weights serve
@@ -235,6 +226,16 @@ bool stack_shares(at::TensorList weights) {
 // whether decode_stack splits columns (`decode_stack_shared`); returns the setting before
 bool set_shared_decode(bool on) { return shared_wanted.exchange(on); }
 
+// Every layer of a decode step (`decode_layer` for each; weights: 10 a layer, in order; the
+// pool's halves one a layer), its rows split over the threads: each thread takes rows i,
+// i + n, i + 2n, ... (the rows come sorted by context length: like shares of attention) through
+// all the layers on its own, in one parallel region a step. Split op by op, each of a layer's
+// ~6 parallel regions woke the other core's sleeping thread (passive waits, engine/threads.py)
+// and waited for it at its end: on the 2-core Zen 5 EPYC, a firecracker VM where an idle vCPU
+// halts, 32 rows at context 200 took ~28.5 ms a step that way against ~21 with spinning waits.
+// Each row's values are what `decode_layer` gives it in any batch (its kernels are
+// batch-invariant), so the output is bitwise the per-layer loop's. Few rows with the
+// int8-activation kernels take `decode_stack_shared` instead.
 at::Tensor decode_stack(const at::Tensor& h, at::TensorList weights, double eps,
                         const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
                         at::TensorList v_caches, const at::Tensor& slots,
