@@ -26,7 +26,7 @@ from engine.kernels import cpu_kernels
 from engine.model.kv_cache import bytes_per_token
 from engine.model.loader import LoadedModel
 from engine.model.plan import StepPlan
-from engine.model.runner import SERIAL_ROWS, ModelRunner
+from engine.model.runner import PROMPT_SERIAL_ROWS, SERIAL_ROWS, ModelRunner
 from engine.threads import run_in_fresh_thread
 from tests.conftest import ask, make_engine
 
@@ -213,7 +213,8 @@ def test_a_few_row_step_runs_on_the_engine_thread_alone_unless_it_splits_columns
     """Up to SERIAL_ROWS rows a CPU step wakes no other thread (its kernels see one OpenMP
     thread), unless its decode steps split their matmuls' columns over the threads
     (`LeanLlama.shared_decodes`: the int8-activation kernels), where one row has them all; a
-    bigger step has them all, as every thread starts with."""
+    bigger step has them all, as every thread starts with. A step with prompt tokens runs
+    alone up to PROMPT_SERIAL_ROWS rows on the AVX512-VNNI kernels."""
     threads = run_in_fresh_thread(torch.get_num_threads)
     assert threads > 1, "the suite runs where torch has more than one thread"
     runner = nf4_engine.runner
@@ -224,6 +225,14 @@ def test_a_few_row_step_runs_on_the_engine_thread_alone_unless_it_splits_columns
     assert nf4_engine._call(torch.get_num_threads) == (threads if shared else 1)
     bigger = lambda: runner._use_threads(SERIAL_ROWS + 1) or torch.get_num_threads()  # noqa: E731
     assert nf4_engine._call(bigger) == threads
+
+    def prompt_step(rows: int) -> int:  # a step with prompt tokens: op by op
+        runner._use_threads(rows, prompt=True)
+        return torch.get_num_threads()
+
+    alone = PROMPT_SERIAL_ROWS if shared and cpu_kernels.q4_dot_layout() else SERIAL_ROWS
+    assert nf4_engine._call(lambda: prompt_step(alone)) == 1
+    assert nf4_engine._call(lambda: prompt_step(alone + 1)) == threads
 
     def one_row_split_by_rows() -> int:
         lean, runner.lean = runner.lean, None  # no column split: the rows' bound holds

@@ -59,6 +59,14 @@ PREFILL_KERNEL_TOKENS = 64
 # 84.6-90.4 / 138.8-164.3 / 226.0-262.5 tokens/s against 68.9-75.2 / 120.0-124.2 /
 # 188.2-248.5 with this bound.
 SERIAL_ROWS = 3
+# A step with prompt tokens runs op by op, each op a parallel region that wakes the other core
+# under passive waits; on the AVX512-VNNI kernels (fast enough that the wake-ups dominate) such
+# a step of up to this many rows runs on the engine thread alone. Sapphire Rapids VM,
+# in-process, one thread against two: prefills of 1 / 8 / 32 / 64 / 128 tokens 19.5 / 25-26 /
+# 45-51 / 77-78 / 140-144 ms against 21-24 / 35 / 51-61 / 85-91 / 131-134; 16 decodes with 32
+# prompt tokens 67-68 against 75-77, 30 with 26: 90 against 80-83. On the AVX2 build there two
+# threads won from 8 tokens (38 against 41 ms; 32 tokens 72 against 96-98): SERIAL_ROWS.
+PROMPT_SERIAL_ROWS = 48
 
 
 def decode_groups(lens: list[int], block_size: int) -> list[tuple[int, int]]:
@@ -246,7 +254,7 @@ class ModelRunner:
         """Run one step; return the sampled next token of each sequence that reached its end."""
         if self.decode_kernel is not None and self.device.type == "cpu":  # crowdchat's kernels
             rows = len(plan.decodes) + sum(n for _, n in plan.prefills)
-            self._use_threads(rows)
+            self._use_threads(rows, bool(plan.prefills))
         logits = self.forward(plan)
         sampled = plan.decodes + [s for s, n in plan.prefills if s.num_computed + n == s.num_tokens]
         if not sampled:
@@ -254,12 +262,19 @@ class ModelRunner:
         picks = sample(logits, sampled, self.stop_ids, owned=True)  # the step's own logits
         return dict(zip(sampled, picks, strict=True))
 
-    def _use_threads(self, rows: int) -> None:
-        """One OpenMP thread for a step of up to `SERIAL_ROWS` rows (none where few-row decode
-        steps split their matmuls' columns over the threads), else as many as the engine
-        thread started with (`--threads`, or torch's default)."""
+    def _use_threads(self, rows: int, prompt: bool = False) -> None:
+        """One OpenMP thread for a step of up to `SERIAL_ROWS` rows, else as many as the engine
+        thread started with (`--threads`, or torch's default). Where few-row decode steps split
+        their matmuls' columns over the threads, a step of decodes only always takes them all,
+        and on the AVX512-VNNI kernels one with `prompt` tokens up to `PROMPT_SERIAL_ROWS`
+        rows runs alone."""
         self._all_threads = self._all_threads or torch.get_num_threads()
-        serial = 0 if getattr(self.lean, "shared_decodes", False) else SERIAL_ROWS
+        serial = SERIAL_ROWS
+        if getattr(self.lean, "shared_decodes", False):
+            if not prompt:
+                serial = 0
+            elif cpu_kernels.q4_dot_layout():
+                serial = PROMPT_SERIAL_ROWS
         team = 1 if rows <= serial else self._all_threads
         if team != self._team:
             torch.ops.crowdchat.omp_threads(team)
