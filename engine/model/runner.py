@@ -138,6 +138,9 @@ class ModelRunner:
         self.stop_ids: list[int] = sorted({eos} if isinstance(eos, int) else set(eos or []))
         self._team = 0  # the engine thread's OpenMP threads for this step: 1 or all of them
         self._all_threads = 0  # its own default, read on that thread at its first step
+        # rows up to which a step with prompt tokens runs alone where decodes split columns
+        vnni = self.decode_kernel is not None and cpu_kernels.q4_dot_layout()
+        self._prompt_serial_rows = PROMPT_SERIAL_ROWS if vnni else SERIAL_ROWS
 
     def _metadata(self, plan: StepPlan) -> tuple[StepMetadata, list[int], list[int], list[int]]:
         """Flat input ids, positions and which rows need logits, plus the attention metadata.
@@ -271,10 +274,7 @@ class ModelRunner:
         self._all_threads = self._all_threads or torch.get_num_threads()
         serial = SERIAL_ROWS
         if getattr(self.lean, "shared_decodes", False):
-            if not prompt:
-                serial = 0
-            elif cpu_kernels.q4_dot_layout():
-                serial = PROMPT_SERIAL_ROWS
+            serial = self._prompt_serial_rows if prompt else 0
         team = 1 if rows <= serial else self._all_threads
         if team != self._team:
             torch.ops.crowdchat.omp_threads(team)

@@ -133,16 +133,13 @@ at::Tensor decode_stack_shared(const at::Tensor& h, at::TensorList weights, doub
   const auto opts = h.options();
   auto cur = h.contiguous().clone();  // the residual stream
   auto x = at::empty({t, c}, opts);  // the normed rows a matmul takes
-  // output columns of packed weights: blocks of 16 (AVX512-VNNI) or 8 (AVX2)
-  const auto columns = [](const at::Tensor& packed) {
-    return packed.size(0) * (packed.size(2) == 128 ? 8 : 16);
-  };
-  auto qkv = at::empty({t, columns(weights[1])}, opts);
+  // the MLP's inner size: down's K (packed [N/16 or N/8, K/32, ...] in both layouts)
+  const int64_t inner = weights[8].size(1) * kGroup;
+  auto qkv = at::empty({t, (heads + 2 * kv_heads) * d}, opts);
   auto o = at::empty({t, heads * d}, opts);
   auto attn = at::empty({t, c}, opts);
   auto attended = at::empty({t, c}, opts);
-  auto gate_up = at::empty({t, columns(weights[6])}, opts);
-  const int64_t inner = gate_up.size(1) / 2;
+  auto gate_up = at::empty({t, 2 * inner}, opts);
   auto product = at::empty({t, inner}, opts);
   auto down = at::empty({t, c}, opts);
   SpinBarrier barrier;

@@ -47,37 +47,6 @@ struct Plain {
   }
 };
 
-// The matmul kernels' loop: calls `tile(rows, b, r0)` (`rows` a std::integral_constant, 1 to
-// Rows) for every block b of output columns and every Rows rows of x [m, K] from r0. Each
-// thread takes a range of blocks; per chunk of `chunk` rows it calls `start(b)` once, then a
-// block's weights (a few KB) are read from memory once and reused from L1 by every tile.
-// `work` (weights x rows) below kMatmulSerialWork: one thread. Each thread's share runs inside
-// `around(share)`.
-template <int Rows, typename Tile, typename Start = NoStart, typename Around = Plain>
-void blocks_share(int64_t m, int64_t b0, int64_t b1, int64_t chunk, const Tile& tile,
-                  const Start& start = Start{}, const Around& around = Around{}) {
-  around([&] {
-    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
-      const int64_t c1 = std::min(m, c0 + chunk);
-      for (int64_t b = b0; b < b1; ++b) {
-        start(b);
-        for (int64_t r0 = c0; r0 < c1; r0 += Rows) {
-          with_rows<Rows>(c1 - r0, [&](auto rows) { tile(rows, b, r0); });
-        }
-      }
-    }
-  });
-}
-
-template <int Rows, typename Tile, typename Start = NoStart, typename Around = Plain>
-void over_blocks(int64_t m, int64_t blocks, int64_t chunk, int64_t work, const Tile& tile,
-                 const Start& start = Start{}, const Around& around = Around{}) {
-  const int64_t grain = work < kMatmulSerialWork ? blocks + 1 : 1;
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    blocks_share<Rows>(m, b0, b1, chunk, tile, start, around);
-  });
-}
-
 // A share of a matmul's blocks of output columns for one thread: blocks [b0, b1); `all()`:
 // every block, split over the threads by over_blocks
 struct BlockShare {
@@ -89,6 +58,35 @@ struct BlockShare {
     return {blocks * part / parts, blocks * (part + 1) / parts};
   }
 };
+
+// The matmul kernels' loop: calls `tile(rows, b, r0)` (`rows` a std::integral_constant, 1 to
+// Rows) for every block b of output columns and every Rows rows of x [m, K] from r0. Each
+// thread takes a range of blocks; per chunk of `chunk` rows it calls `start(b)` once, then a
+// block's weights (a few KB) are read from memory once and reused from L1 by every tile.
+// `work` (weights x rows) below kMatmulSerialWork: one thread. Each thread's share runs inside
+// `around(share)`. With a `share` other than `all()`: only its blocks, on the calling thread
+// (a thread of a parallel region that splits the columns itself, decode_layer.cpp).
+template <int Rows, typename Tile, typename Start = NoStart, typename Around = Plain>
+void over_blocks(int64_t m, int64_t blocks, int64_t chunk, int64_t work, const Tile& tile,
+                 const Start& start = Start{}, const Around& around = Around{},
+                 BlockShare share = BlockShare::all()) {
+  const auto blocks_of = [&](int64_t b0, int64_t b1) {
+    around([&] {
+      for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+        const int64_t c1 = std::min(m, c0 + chunk);
+        for (int64_t b = b0; b < b1; ++b) {
+          start(b);
+          for (int64_t r0 = c0; r0 < c1; r0 += Rows) {
+            with_rows<Rows>(c1 - r0, [&](auto rows) { tile(rows, b, r0); });
+          }
+        }
+      }
+    });
+  };
+  if (!share.whole()) return blocks_of(share.b0, share.b1);
+  const int64_t grain = work < kMatmulSerialWork ? blocks + 1 : 1;
+  at::parallel_for(0, blocks, grain, blocks_of);
+}
 
 // A float32 rounded to bfloat16 (to nearest even) and kept as float32, bitwise as ATen's
 // `x.to(torch.bfloat16).to(torch.float32)`; a NaN becomes 0xffff, as in ATen's vectorized cast
@@ -148,9 +146,10 @@ at::Tensor q4_linear_q8(const at::Tensor& x, const at::Tensor& packed, const at:
 void q4_linear_q8_into(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
                        at::Tensor& y, BlockShare share);
 // csrc/q4_linear.cpp: whether `q4_linear_share` takes these weights (the int8-activation
-// layouts: AVX512-VNNI's, AVX2's), and `q4_linear` of x for the output columns of share `part` of `parts`
-// of the weights' blocks, on the calling thread only, written into y ([M, N] float32,
-// contiguous; the other columns untouched): each column's values are `q4_linear`'s, bitwise
+// layouts: AVX512-VNNI's, AVX2's), and `q4_linear` of x for the output columns of share
+// `part` of `parts` of the weights' blocks, on the calling thread only, written into y ([M, N]
+// float32, contiguous; the other columns untouched): each column's values are `q4_linear`'s,
+// bitwise
 bool q4_linear_shares(const at::Tensor& packed, const at::Tensor& sz);
 void q4_linear_share(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz,
                      int64_t part, int64_t parts, at::Tensor& y);

@@ -458,17 +458,10 @@ template <typename Tile, typename Start = NoStart>
 void over_blocks_q8(bool tiles, int64_t m, int64_t blocks, int64_t work, const Tile& tile,
                     const Start& start = Start{}, int64_t chunk = kDotChunk,
                     crowdchat::BlockShare share = crowdchat::BlockShare::all()) {
-  if (!share.whole()) {
 #ifdef CROWDCHAT_AMX
-    if (tiles)
-      return crowdchat::blocks_share<kTileRows>(m, share.b0, share.b1, chunk, tile, start, Tiles{});
+  if (tiles) return over_blocks<kTileRows>(m, blocks, chunk, work, tile, start, Tiles{}, share);
 #endif
-    return crowdchat::blocks_share<kDotRows>(m, share.b0, share.b1, chunk, tile, start);
-  }
-#ifdef CROWDCHAT_AMX
-  if (tiles) return over_blocks<kTileRows>(m, blocks, chunk, work, tile, start, Tiles{});
-#endif
-  over_blocks<kDotRows>(m, blocks, chunk, work, tile, start);
+  over_blocks<kDotRows>(m, blocks, chunk, work, tile, start, crowdchat::Plain{}, share);
 }
 
 // One block's 4-bit groups as `vpdpbusd` (and an AMX tile) takes them, into `w` (8 vectors

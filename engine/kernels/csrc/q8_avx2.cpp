@@ -223,11 +223,7 @@ void q4_linear_q8_into(const at::Tensor& x, const at::Tensor& packed, const at::
     q4_tile<decltype(r)::value>(pw + b * groups * 128, psz + b * groups * 16, rows, k, r0,
                                 yp + b * 8, n);
   };
-  if (share.whole()) {
-    over_blocks<kTileRows>(m, blocks, kRowChunk, m * n * k, tile);
-  } else {
-    blocks_share<kTileRows>(m, share.b0, share.b1, kRowChunk, tile);
-  }
+  over_blocks<kTileRows>(m, blocks, kRowChunk, m * n * k, tile, NoStart{}, Plain{}, share);
 }
 
 at::Tensor q4_linear_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz) {
