@@ -33,6 +33,7 @@ def plain_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
         if not triton_attention.available():
             pytest.skip("triton not installed")
         monkeypatch.setattr(sampler, "_plain_picks", triton_picks)
+        monkeypatch.setattr(cpu_kernels, "loaded", lambda: False)  # not the kernel's own path
     else:
         monkeypatch.setattr(cpu_kernels, "loaded", lambda: False)
     return request.param
@@ -293,3 +294,63 @@ def test_the_cpu_kernel_picks_the_float64_inverse_cdf() -> None:
     assert torch.ops.crowdchat.sample_rows_(empty, torch.empty(0, dtype=torch.float64)).numel() == 0
     with pytest.raises(RuntimeError, match="u: float64"):
         torch.ops.crowdchat.sample_rows_(torch.zeros(2, 3), torch.zeros(2))
+
+
+def test_the_cpu_kernel_takes_greedy_rows_argmax_as_torch_does() -> None:
+    """Temperature 0 in the kernel is torch.argmax: the first of tied largest logits, the
+    first NaN where a row holds one, -inf rows; lengths off the vector width; the greedy rows'
+    logits left as they were; a negative or NaN temperature refused."""
+    if not cpu_kernels.load():
+        pytest.skip("crowdchat's CPU kernels are not built here")
+    gen = torch.Generator().manual_seed(5)
+    for v in (1, 7, 16, 17, 100, 49_152):
+        rows = torch.randint(-3, 4, (12, v), generator=gen).float()  # many ties
+        rows[1] = float("-inf")
+        rows[2, v // 2] = float("nan")
+        rows[3, v - 1] = 100.0
+        rows[4] = torch.randn(v, generator=gen)
+        want, before = rows.argmax(-1), rows.clone()
+        got = torch.ops.crowdchat.sample_rows_(rows, torch.zeros(12).double(), torch.zeros(12))
+        assert torch.equal(got, want), v
+        assert torch.equal(rows.nan_to_num(), before.nan_to_num()), v
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(RuntimeError, match="temps: none negative"):
+            torch.ops.crowdchat.sample_rows_(
+                torch.zeros(2, 3), torch.zeros(2).double(), torch.tensor([1.0, bad])
+            )
+
+
+def test_one_kernel_call_picks_what_division_argmax_and_the_kernel_pick_do() -> None:
+    """A step of greedy, near-greedy and temperature-only rows in random mixes (one kernel
+    call, the temperatures divided inside) picks exactly what ATen's division and argmax
+    followed by the kernel's pick of the divided rows give, each row what it picks alone, and
+    advances only the sampled rows' draws."""
+    if not cpu_kernels.load():
+        pytest.skip("crowdchat's CPU kernels are not built here")
+    rng = random.Random(11)
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(40):
+        n = rng.randint(1, 9)
+        temps = [rng.choice([0.0, 1e-6, 0.3, 0.8, 1.0, 1.7]) for _ in range(n)]
+        logits = torch.randn(n, 3000, generator=gen) * 4
+        seeds = [trial * 100 + i for i in range(n)]
+
+        def seqs(temps: list[float] = temps, seeds: list[int] = seeds) -> list[Sequence]:
+            pairs = zip(temps, seeds, strict=True)
+            return [Sequence([1], SamplingParams(temperature=t, seed=s)) for t, s in pairs]
+
+        batch = seqs()
+        got = sample(logits.clone(), batch, stop_ids=[])
+        alone = [
+            sample(logits[i : i + 1].clone(), [s], stop_ids=[])[0] for i, s in enumerate(seqs())
+        ]
+        want = []
+        for i, t in enumerate(temps):
+            if t < sampler.GREEDY_BELOW:
+                want.append(int(logits[i].argmax()))
+                continue
+            u = uniforms(torch.tensor([seeds[i]]), torch.tensor([0]))
+            row = logits[i : i + 1] / torch.tensor([[t]], dtype=torch.float32)
+            want.append(int(torch.ops.crowdchat.sample_rows_(row, u)[0]))
+        assert got == want == alone, (trial, temps)
+        assert [s.draws for s in batch] == [int(t >= sampler.GREEDY_BELOW) for t in temps]
