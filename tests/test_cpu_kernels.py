@@ -182,6 +182,60 @@ def test_bad_prefill_chunks_raise_instead_of_reading_outside_the_pool(kernel) ->
     assert torch.equal(prefill(c), run(kernel, as_decodes(c)))  # still fine after
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_many_chunks_in_one_call_are_bitwise_each_chunk_alone(seed: int) -> None:
+    """`paged_prefills_attention`: a step's chunks (fresh prompts, chunks after cached tokens,
+    of every tail length, on distinct or shared blocks) in one call give each chunk bitwise what
+    its own call gives, on one thread as on all; bad sizes and tables raise."""
+    if not cpu_kernels.load():
+        pytest.skip("crowdchat's CPU kernels are not built here")
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    many = torch.ops.crowdchat.paged_prefills_attention
+    for _ in range(6):
+        base = prefill_case(rng, gen)
+        bs, pool_blocks = base["bs"], base["k"].shape[1] // base["bs"]
+        chunks = []
+        for _ in range(rng.randint(1, 7)):
+            n = rng.choice([1, 5, 16, 17, 22, 64])
+            start = rng.choice([0, 0, rng.randint(1, 40), rng.randint(1, 600)])
+            nblk = -(-(start + n) // bs)
+            if nblk > pool_blocks:
+                continue
+            blocks = torch.randperm(pool_blocks, generator=gen)[:nblk]
+            q = torch.randn(n, base["q"].shape[1], base["q"].shape[2], generator=gen)
+            chunks.append(dict(base, q=q, blocks=blocks.contiguous(), start=start))
+        if not chunks:
+            continue
+        width = max(c["blocks"].numel() for c in chunks) + rng.randint(0, 2)
+        table = torch.zeros(len(chunks), width, dtype=torch.long)
+        for i, c in enumerate(chunks):
+            table[i, : c["blocks"].numel()] = c["blocks"]
+        starts = torch.tensor([c["start"] for c in chunks])
+        sizes = torch.tensor([c["q"].shape[0] for c in chunks])
+        q = torch.cat([c["q"] for c in chunks])
+
+        def call(q=q, table=table, starts=starts, sizes=sizes, c=base) -> torch.Tensor:
+            return many(q, c["k"], c["v"], table, starts, sizes, c["bs"], c["scale"])
+
+        got = call()
+        assert torch.equal(got, torch.cat([prefill(c) for c in chunks]))
+        before = torch.ops.crowdchat.omp_threads(1)
+        try:
+            assert torch.equal(call(), got)
+        finally:
+            torch.ops.crowdchat.omp_threads(before)
+    bad = {
+        "add up to q's rows": dict(q=torch.cat([q, q[:1]])),
+        "each chunk n >= 1": dict(sizes=sizes * 0),
+        "starts, sizes: int64": dict(starts=starts[:0]),
+        "start out of range": dict(starts=starts * 0 + width * bs),
+        "block id out of range": dict(table=table * 0 + pool_blocks),
+    }
+    for message, change in bad.items():
+        with pytest.raises(RuntimeError, match=message):
+            call(**change)
+
+
 def test_the_loaded_build_has_the_instruction_sets_its_target_names() -> None:
     """`make test-avx2` tests the AVX2 loops only if its build really lacks AVX-512."""
     isa = cpu_kernels.isa().split("+")

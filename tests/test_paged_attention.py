@@ -114,14 +114,14 @@ def test_fp32_a_chunk_after_cached_tokens_agrees_on_the_kernel_and_the_gather(
     fp32_model: LoadedModel, tmp_path: Path, chunk: int
 ) -> None:
     """A returning user's message: a chunk prefilled after ~1,500 cached tokens attends on the
-    CPU kernel (`paged_prefill_attention`) up to PREFILL_KERNEL_TOKENS tokens; its logits agree
+    CPU kernel (`paged_prefills_attention`) up to PREFILL_KERNEL_TOKENS tokens; its logits agree
     with the gather and SDPA path in argmax and to rounding, and so does the K/V it leaves."""
     rng = random.Random(chunk)
     toks = [rng.randrange(100, 40000) for _ in range(1500 + chunk)]
     engine = make_engine(fp32_model, tmp_path, kv_budget_mb=512)
     engine.shutdown()  # drive the runner directly on this thread
     runner, calls = engine.runner, []
-    kernel = runner.prefill_kernel
+    kernel = runner.prefills_kernel
     assert kernel is not None
 
     def counted(*args: object) -> torch.Tensor:
@@ -129,7 +129,7 @@ def test_fp32_a_chunk_after_cached_tokens_agrees_on_the_kernel_and_the_gather(
         return kernel(*args)
 
     def run(attend: object) -> tuple[torch.Tensor, torch.Tensor]:
-        runner.prefill_kernel = attend
+        runner.prefills_kernel = attend
         s = Sequence(list(toks), GREEDY)
         s.block_table = engine.pool.allocate(engine.pool.blocks_for(s.num_tokens))
         try:
@@ -143,10 +143,68 @@ def test_fp32_a_chunk_after_cached_tokens_agrees_on_the_kernel_and_the_gather(
     try:
         (fast, k_fast), (gathered, k_gathered) = run(counted), run(None)
     finally:
-        runner.prefill_kernel = kernel
+        runner.prefills_kernel = kernel
     assert calls == [chunk] * fp32_model.num_layers
     assert torch.equal(fast.argmax(-1), gathered.argmax(-1))
     assert ((fast - gathered).abs() / gathered.std(dim=-1, keepdim=True)).max() < 1e-4
     assert torch.equal(k_fast[:, :1500], k_gathered[:, :1500])
     assert (k_fast - k_gathered).abs().max() < 1e-3 * k_gathered.abs().max()
+    engine.check_integrity()
+
+
+def test_fp32_a_steps_short_chunks_share_one_kernel_call_bitwise_each_alone(
+    fp32_model: LoadedModel, tmp_path: Path
+) -> None:
+    """New prompts and messages after cached tokens of up to PREFILL_KERNEL_TOKENS tokens, in
+    random mixes with longer prompts between them: each run of short chunks is one
+    `paged_prefills_attention` call a layer (whose values are bitwise each chunk's alone:
+    tests/test_cpu_kernels.py); the logits agree with each chunk prefilled alone and with the
+    SDPA path in argmax and to rounding."""
+    engine = make_engine(fp32_model, tmp_path, kv_budget_mb=512)
+    engine.shutdown()
+    runner, rng = engine.runner, random.Random(9)
+    kernel = runner.prefills_kernel
+    assert kernel is not None
+    calls: list[int] = []
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(len(args[4]))
+        return kernel(*args)
+
+    def step(chunks: list[tuple[list[int], int, int]], attend: object = kernel) -> torch.Tensor:
+        """Logits of the chunks (tokens, cached, new) in one step attended by `attend`, the
+        cached parts first (each alone)."""
+        seqs = []
+        for toks, cached, _ in chunks:
+            s = Sequence(list(toks), GREEDY)
+            s.block_table = engine.pool.allocate(engine.pool.blocks_for(s.num_tokens))
+            if cached:
+                runner.forward(StepPlan(prefills=[(s, cached)]))
+                s.num_computed = cached
+            seqs.append(s)
+        runner.prefills_kernel = attend
+        try:
+            plan = StepPlan(prefills=[(s, n) for s, (*_, n) in zip(seqs, chunks, strict=True)])
+            return runner.forward(plan)
+        finally:
+            runner.prefills_kernel = kernel
+            for s in seqs:
+                engine.pool.free(s.block_table)
+
+    for trial in range(3):
+        chunks = []
+        for _ in range(rng.randint(2, 5)):
+            cached = rng.choice([0, 0, rng.randint(1, 200)])
+            n = rng.choice([1, 9, 22, 64, 65, 150]) if chunks else rng.choice([1, 9, 22])
+            chunks.append(([rng.randrange(100, 40000) for _ in range(cached + n)], cached, n))
+        calls.clear()
+        together = step(chunks, counted).float()
+        short = [n <= model_runner.PREFILL_KERNEL_TOKENS for *_, n in chunks]
+        runs = sum(1 for i, s in enumerate(short) if s and (i == 0 or not short[i - 1]))
+        assert len(calls) == runs * fp32_model.num_layers, (trial, calls)
+        alone = torch.cat([step([c]).float() for c in chunks])
+        sdpa = step(chunks, None).float()
+        for other in (alone, sdpa):  # (float32 matmuls round by their batch's shape)
+            assert torch.equal(together.argmax(-1), other.argmax(-1)), trial
+            assert ((together - other).abs() / other.std(dim=-1, keepdim=True)).max() < 1e-4
     engine.check_integrity()

@@ -172,6 +172,12 @@ def prefill_attention() -> Kernel | None:
     return torch.ops.crowdchat.paged_prefill_attention if load() else None
 
 
+def prefills_attention() -> Kernel | None:
+    """The paged attention op for many short prefill chunks of a step in one call, or None
+    where the kernels cannot be built."""
+    return torch.ops.crowdchat.paged_prefills_attention if load() else None
+
+
 def q4_dot_layout() -> bool:
     """Whether the 4-bit kernel was built for AVX512-BF16 (csrc/q4_linear.cpp): its weights
     then take that kernel's layout (engine.model.cpu_quant `pack_for_dot`) and need no dense

@@ -8,7 +8,7 @@ into the pool and attends each sequence to its own cached context only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,19 @@ class PrefillChunk:
     # tokens come before the chunk
     blocks: torch.Tensor | None = None  # [nblk] int64
     cached: int = 0
+    grouped: bool = False  # attended in one of the step's `prefill_groups` instead
+
+
+@dataclass
+class PrefillGroup:
+    """Short prefill chunks attended in one call of the CPU kernel (`prefills_kernel`): rows
+    `[start, end)` of the flat row, one chunk's tokens after another's."""
+
+    start: int
+    end: int
+    blocks: torch.Tensor  # [C, nblk] int64: each chunk's sequence's blocks
+    starts: torch.Tensor  # [C] int64: its sequence's tokens before each chunk
+    sizes: torch.Tensor  # [C] int64: each chunk's tokens
 
 
 @dataclass
@@ -60,6 +73,9 @@ class StepMetadata:
     decode_kernel: Kernel | None = None
     # its sibling for prefill chunks that carry `blocks`
     prefill_kernel: Kernel | None = None
+    # the CPU's: many short chunks in one call (`prefill_groups`)
+    prefills_kernel: Kernel | None = None
+    prefill_groups: list[PrefillGroup] = field(default_factory=list)
     # CUDA, bfloat16 or float16 compute: RoPE with the K/V write in one launch
     # (triton_layer.rope_store), which the flat forward takes for steps of decodes only
     rope_store: Kernel | None = None
@@ -88,6 +104,7 @@ def paged_attention(
     special = Special(sliding_window or None, softcap or None)
     if special.any:
         assert meta.decode_kernel is None and meta.prefill_kernel is None
+        assert not meta.prefill_groups
     layer = module.layer_idx
     kc, vc = meta.k_cache[layer], meta.v_cache[layer]
     if key is not None and value is not None:
@@ -135,7 +152,15 @@ def paged_attention(
             out[g.start : g.end] = o[:, :, 0]
             continue
         out[g.start : g.end] = _decode_attention(query[0, :, g.start : g.end], k, v, g.pad, scaling)
+    for pg in meta.prefill_groups:
+        assert meta.prefills_kernel is not None
+        q = query[0, :, pg.start : pg.end].transpose(0, 1).float().contiguous()  # [n, H, D]
+        out[pg.start : pg.end] = meta.prefills_kernel(
+            q, kc, vc, pg.blocks, pg.starts, pg.sizes, bs, scale
+        )
     for c in meta.prefills:
+        if c.grouped:
+            continue
         if c.blocks is not None:
             assert meta.prefill_kernel is not None
             q = query[0, :, c.start : c.end].transpose(0, 1).float().contiguous()  # [n, H, D]

@@ -11,7 +11,7 @@ import torch
 from engine.kernels import cpu_kernels, triton_attention, triton_layer
 from engine.kernels.cpu_kernels import Kernel
 from engine.model import attention
-from engine.model.attention import DecodeGroup, PrefillChunk, StepMetadata
+from engine.model.attention import DecodeGroup, PrefillChunk, PrefillGroup, StepMetadata
 from engine.model.kv_cache import KVCache
 from engine.model.lean_llama import lean_forward
 from engine.model.lean_norm import fuse_norms
@@ -42,10 +42,11 @@ RunnerFactory = Callable[[LoadedModel, KVCache], StepRunner]
 # padding it saves.
 MAX_PAD_SHARE = 0.25
 MIN_SPLIT_WASTE = 256
-# A prefill chunk of up to this many tokens after cached ones attends on the CPU kernel
-# (`paged_prefill_attention`); a longer one gathers its context for SDPA. Zen 5 EPYC, 2 cores,
-# bf16 pool, one layer: 15 tokens after 2,000 0.47-0.52 ms against SDPA's 0.91-2.4; 64 after
-# 2,000 1.9-2.2 against 2.6-2.8; 128 after 500 1.9-2.2 against 1.5-1.6.
+# A prefill chunk of up to this many tokens attends on the kernel (on the CPU all of a step's
+# such chunks in one call a layer, `paged_prefills_attention`; on CUDA a chunk after cached
+# tokens); a longer one takes SDPA, over its context gathered after cached tokens. Zen 5 EPYC,
+# 2 cores, bf16 pool, one layer: 15 tokens after 2,000 0.47-0.52 ms against SDPA's 0.91-2.4;
+# 64 after 2,000 1.9-2.2 against 2.6-2.8; 128 after 500 1.9-2.2 against 1.5-1.6.
 PREFILL_KERNEL_TOKENS = 64
 # A CPU step of up to this many rows (decodes plus prefill tokens) runs on the engine thread
 # alone. With passive OpenMP waits (engine/threads.py) a parallel region wakes a sleeping thread,
@@ -85,6 +86,19 @@ def decode_groups(lens: list[int], block_size: int) -> list[tuple[int, int]]:
     return groups
 
 
+def prefill_group(chunks: list[tuple[int, int, int, list[int]]], dev: torch.device) -> PrefillGroup:
+    """Consecutive chunks of the flat row, each (its first row, its sequence's tokens before
+    it, its tokens, its sequence's blocks), as one call of the CPU's prefill kernel."""
+    width = max(len(blocks) for *_, blocks in chunks)
+    table = torch.zeros(len(chunks), width, dtype=torch.long)
+    for row, (*_, blocks) in enumerate(chunks):
+        table[row, : len(blocks)] = torch.tensor(blocks)
+    start, end = chunks[0][0], chunks[-1][0] + chunks[-1][2]
+    starts = torch.tensor([p0 for _, p0, _, _ in chunks])
+    sizes = torch.tensor([n for _, _, n, _ in chunks])
+    return PrefillGroup(start, end, table.to(dev), starts.to(dev), sizes.to(dev))
+
+
 class ModelRunner:
     """Builds a step's inputs from the plan, runs the model once, samples next tokens."""
 
@@ -104,12 +118,15 @@ class ModelRunner:
         general = attention.needs_general(self.model.config)
         cpu = self.device.type == "cpu" and general is None
         self.decode_kernel = cpu_kernels.decode_attention() if cpu else None
-        # and a short prefill chunk after cached tokens (a returning user's message)
-        self.prefill_kernel = cpu_kernels.prefill_attention() if self.decode_kernel else None
+        # and a step's short prefill chunks (new prompts, a returning user's message), in one
+        # call a layer on the CPU; CUDA's Triton kernel takes one chunk after cached tokens
+        self.prefills_kernel = cpu_kernels.prefills_attention() if self.decode_kernel else None
+        self.prefill_kernel: Kernel | None = None
         self.rope_store: Kernel | None = None
         if loaded.cuda_attention == "triton":
             self.decode_kernel = triton_attention.paged_decode_attention
             self.prefill_kernel = triton_attention.paged_prefill_attention
+            self.prefills_kernel = None
         if loaded.triton_layers and self.lean is not None:
             self.rope_store = triton_layer.rope_store
             self.lean.norm_kernel = triton_layer.add_rms_norm
@@ -185,12 +202,18 @@ class ModelRunner:
             groups.append(DecodeGroup(lo, hi, table.to(dev), pad))
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         prefills = []
+        runs: list[list[tuple[int, int, int, list[int]]]] = [[]]  # grouped chunks, in runs
         for seq, n in plan.prefills:
             start, p0 = len(ids), seq.num_computed
             ids += seq.token_ids[p0 : p0 + n]
             pos += range(p0, p0 + n)
             slot_parts.append(cache.slots(seq.block_table, p0, p0 + n).cpu())
-            if p0 == 0:
+            if runs[-1] and n > PREFILL_KERNEL_TOKENS:  # the next grouped chunks: a new run
+                runs.append([])
+            if self.prefills_kernel is not None and n <= PREFILL_KERNEL_TOKENS:
+                runs[-1].append((start, p0, n, seq.block_table[: -(-(p0 + n) // bs)]))
+                prefills.append(PrefillChunk(start, start + n, None, None, grouped=True))
+            elif p0 == 0:
                 prefills.append(PrefillChunk(start, start + n, None, None))
             elif self.prefill_kernel is not None and n <= PREFILL_KERNEL_TOKENS:
                 table = torch.tensor(seq.block_table[: -(-(p0 + n) // bs)], dtype=torch.long)
@@ -202,6 +225,8 @@ class ModelRunner:
             if p0 + n == seq.num_tokens:
                 logit_rows.append(start + n - 1)
         meta = StepMetadata(
+            prefills_kernel=self.prefills_kernel,
+            prefill_groups=[prefill_group(run, dev) for run in runs if run],
             k_cache=cache.k,
             v_cache=cache.v,
             slot_mapping=torch.cat(slot_parts).to(dev),

@@ -182,64 +182,87 @@ void run(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const 
   }
 }
 
-// A prefill chunk of n tokens at positions [start, start + n) of one sequence whose K/V (the
-// cached ones and the chunk's own) are in the pool. A work item takes the G query vectors of
-// up to kQueryTile tokens at once (a block's K and V rows widened once for all of them); query
-// i attends positions up to start + i. Every query's chunks, sums and merge are those of a
-// decode of the same token at the same context, so its output is bitwise the decode kernel's.
+// Prefill chunks of one step, chunk c: n_c tokens at positions [start_c, start_c + n_c) of its
+// sequence, whose K/V (the cached ones and the chunk's own) are in the pool; its queries are
+// rows [row_c, row_c + n_c) of q, the chunks' rows one after another. A work item takes the G
+// query vectors of up to kQueryTile tokens of one chunk at once (a block's K and V rows
+// widened once for all of them); query i attends positions up to start_c + i. Every query's
+// chunks, sums and merge are those of a decode of the same token at the same context, so its
+// output is bitwise the decode kernel's, whichever chunks share the call.
 template <typename T>
 void run_prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                 const int64_t* blocks, int64_t start, int64_t bs, double scale, at::Tensor& out) {
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t HKV = kc.size(0), S = kc.size(1), G = H / HKV, M = n * G;
-  const int64_t len = start + n, chunks = (len + kChunk - 1) / kChunk, stride = D + 2;
+                 const int64_t* blocks, int64_t blocks_stride, const std::vector<int64_t>& starts,
+                 const std::vector<int64_t>& sizes, int64_t bs, double scale, at::Tensor& out) {
+  const int64_t H = q.size(1), D = q.size(2), stride = D + 2;
+  const int64_t HKV = kc.size(0), S = kc.size(1), G = H / HKV;
   const T* kp = kc.data_ptr<T>();
   const T* vp = vc.data_ptr<T>();
   const float* qp = q.data_ptr<float>();
-  // per KV head its M = n x G query vectors (m = i * G + g), scaled once, and their limits
-  std::vector<float> qs(HKV * M * D);
-  std::vector<int64_t> limit(M);
-  for (int64_t m = 0; m < M; ++m) limit[m] = start + m / G + 1;
-  for (int64_t h = 0; h < HKV; ++h)
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t g = 0; g < G; ++g) {
-        const float* src = qp + (i * H + h * G + g) * D;
-        float* dst = qs.data() + (h * M + i * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * static_cast<float>(scale);
-      }
-  // work items: (KV head, chunk of keys, tile of kQueryTile tokens' queries), but none for a
-  // chunk that starts after all of its tile's queries' positions
+  struct Chunk {
+    int64_t row, n, start, len, key_chunks, M, qs, limit, part;
+  };
+  std::vector<Chunk> chunks;
+  int64_t row = 0, qs_size = 0, limit_size = 0, part_size = 0, work = 0;
+  for (size_t c = 0; c < starts.size(); ++c) {
+    const int64_t n = sizes[c], start = starts[c], len = start + n, M = n * G;
+    const int64_t key_chunks = (len + kChunk - 1) / kChunk;
+    chunks.push_back({row, n, start, len, key_chunks, M, qs_size, limit_size, part_size});
+    row += n, qs_size += HKV * M * D, limit_size += M, part_size += HKV * key_chunks * M * stride;
+    // (query, key) pairs x KV heads, as the decode kernel counts its rows' (the chunk's length
+    // alone counted one query: 30 tokens after 100 ran on one thread, 141 us a call on the
+    // Sapphire Rapids VM against 86-93 on two)
+    work += (n * start + n * (n + 1) / 2) * HKV;
+  }
+  // per chunk and KV head its M = n x G query vectors (m = i * G + g), scaled once, and their
+  // limits
+  std::vector<float> qs(qs_size);
+  std::vector<int64_t> limit(limit_size);
+  for (const Chunk& ch : chunks) {
+    for (int64_t m = 0; m < ch.M; ++m) limit[ch.limit + m] = ch.start + m / G + 1;
+    for (int64_t h = 0; h < HKV; ++h)
+      for (int64_t i = 0; i < ch.n; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+          const float* src = qp + ((ch.row + i) * H + h * G + g) * D;
+          float* dst = qs.data() + ch.qs + (h * ch.M + i * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * static_cast<float>(scale);
+        }
+  }
+  // work items: (chunk, KV head, chunk of keys, tile of kQueryTile tokens' queries), but none
+  // for a chunk of keys that starts after all of its tile's queries' positions
   struct PrefillItem {
-    int64_t h, t0, m0, m1;
+    int64_t c, h, t0, m0, m1;
   };
   std::vector<PrefillItem> items;
-  for (int64_t h = 0; h < HKV; ++h)
-    for (int64_t t0 = 0; t0 < len; t0 += kChunk)
-      for (int64_t i0 = 0; i0 < n; i0 += kQueryTile) {
-        const int64_t i1 = std::min(n, i0 + kQueryTile);
-        if (t0 < start + i1) items.push_back({h, t0, i0 * G, i1 * G});
-      }
-  std::vector<float> part(HKV * chunks * M * stride);
+  for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c) {
+    const Chunk& ch = chunks[c];
+    for (int64_t h = 0; h < HKV; ++h)
+      for (int64_t t0 = 0; t0 < ch.len; t0 += kChunk)
+        for (int64_t i0 = 0; i0 < ch.n; i0 += kQueryTile) {
+          const int64_t i1 = std::min(ch.n, i0 + kQueryTile);
+          if (t0 < ch.start + i1) items.push_back({c, h, t0, i0 * G, i1 * G});
+        }
+  }
+  std::vector<float> part(part_size);
   const int64_t n_items = static_cast<int64_t>(items.size());
-  // (query, key) pairs x KV heads, as the decode kernel counts its rows' (the chunk's length
-  // alone counted one query: 30 tokens after 100 ran on one thread, 141 us a call on the
-  // Sapphire Rapids VM against 86-93 on two)
-  const int64_t work = (n * start + n * (n + 1) / 2) * HKV;
   at::parallel_for(0, n_items, work < kSerialWork ? n_items + 1 : 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scores(kQueryTile * G * kChunk), buf(kMaxBlock * D);
     for (int64_t i = lo; i < hi; ++i) {
       const PrefillItem it = items[i];
-      float* pi = part.data() + ((it.h * chunks + it.t0 / kChunk) * M + it.m0) * stride;
-      attend<T>(qs.data() + (it.h * M + it.m0) * D, kp + it.h * S * D, vp + it.h * S * D, blocks,
-                bs, it.t0, std::min(len, it.t0 + kChunk), it.m1 - it.m0, D,
-                limit.data() + it.m0, scores.data(), buf.data(), pi);
+      const Chunk& ch = chunks[it.c];
+      float* pi = part.data() + ch.part + ((it.h * ch.key_chunks + it.t0 / kChunk) * ch.M + it.m0) * stride;
+      attend<T>(qs.data() + ch.qs + (it.h * ch.M + it.m0) * D, kp + it.h * S * D,
+                vp + it.h * S * D, blocks + it.c * blocks_stride, bs, it.t0,
+                std::min(ch.len, it.t0 + kChunk), it.m1 - it.m0, D,
+                limit.data() + ch.limit + it.m0, scores.data(), buf.data(), pi);
     }
   });
   float* op = out.data_ptr<float>();
-  for (int64_t h = 0; h < HKV; ++h)
-    for (int64_t m = 0; m < M; ++m)
-      merge(part.data() + (h * chunks * M + m) * stride, (limit[m] + kChunk - 1) / kChunk,
-            M * stride, D, op + ((m / G) * H + h * G + m % G) * D);
+  for (const Chunk& ch : chunks)
+    for (int64_t h = 0; h < HKV; ++h)
+      for (int64_t m = 0; m < ch.M; ++m)
+        merge(part.data() + ch.part + (h * ch.key_chunks * ch.M + m) * stride,
+              (limit[ch.limit + m] + kChunk - 1) / kChunk, ch.M * stride, D,
+              op + ((ch.row + m / G) * H + h * G + m % G) * D);
 }
 
 }  // namespace
@@ -280,29 +303,61 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                   const at::Tensor& v_cache, const at::Tensor& blocks,
-                                   int64_t start, int64_t block_size, double scale) {
+// Prefill chunks' attention in one call: q [R, H, D], chunk c its sizes[c] rows after the rows
+// of the chunks before it, after starts[c] tokens of its sequence, whose blocks are row c of
+// `blocks` [C, NB].
+at::Tensor paged_prefills_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                    const at::Tensor& v_cache, const at::Tensor& blocks,
+                                    const at::Tensor& starts, const at::Tensor& sizes,
+                                    int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.size(0),
               "q: contiguous float32 [n, H, D], n >= 1");
   check_pool(k_cache, v_cache);
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), HKV = k_cache.size(0);
+  const int64_t H = q.size(1), D = q.size(2), HKV = k_cache.size(0);
   TORCH_CHECK(k_cache.size(2) == D && D <= kMaxDim && H % HKV == 0, "head shapes differ");
-  TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kLong && blocks.is_contiguous(),
-              "blocks: contiguous int64 [blocks]");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kLong && blocks.is_contiguous(),
+              "blocks: contiguous int64 [chunks, blocks]");
+  const int64_t C = blocks.size(0), NB = blocks.size(1);
+  TORCH_CHECK(starts.dim() == 1 && sizes.dim() == 1 && starts.size(0) == C &&
+                  sizes.size(0) == C && starts.scalar_type() == at::kLong &&
+                  sizes.scalar_type() == at::kLong,
+              "starts, sizes: int64 [chunks]");
   TORCH_CHECK(block_size > 0 && block_size <= kMaxBlock && k_cache.size(1) % block_size == 0,
               "block_size");
-  const int64_t pool_blocks = k_cache.size(1) / block_size, len = start + n;
-  TORCH_CHECK(start >= 0 && len <= blocks.size(0) * block_size, "start out of range");
+  const auto st = starts.contiguous(), sz = sizes.contiguous();
+  std::vector<int64_t> s0(st.data_ptr<int64_t>(), st.data_ptr<int64_t>() + C);
+  std::vector<int64_t> n(sz.data_ptr<int64_t>(), sz.data_ptr<int64_t>() + C);
+  const int64_t pool_blocks = k_cache.size(1) / block_size;
   const int64_t* bp = blocks.data_ptr<int64_t>();
-  for (int64_t j = 0; j < (len + block_size - 1) / block_size; ++j)
-    TORCH_CHECK(bp[j] >= 0 && bp[j] < pool_blocks, "block id out of range");
-  auto out = at::empty({n, H, D}, q.options());
+  int64_t rows = 0;
+  for (int64_t c = 0; c < C; ++c) {
+    TORCH_CHECK(n[c] >= 1, "sizes: each chunk n >= 1");
+    const int64_t len = s0[c] + n[c];
+    TORCH_CHECK(s0[c] >= 0 && len <= NB * block_size, "start out of range");
+    for (int64_t j = 0; j < (len + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(bp[c * NB + j] >= 0 && bp[c * NB + j] < pool_blocks, "block id out of range");
+    rows += n[c];
+  }
+  TORCH_CHECK(rows == q.size(0), "sizes: they add up to q's rows");
+  auto out = at::empty({rows, H, D}, q.options());
   with_pool_type(k_cache.scalar_type(), [&](auto zero) {
     using T = decltype(zero);
-    run_prefill<T>(q, k_cache, v_cache, bp, start, block_size, scale, out);
+    run_prefill<T>(q, k_cache, v_cache, bp, NB, s0, n, block_size, scale, out);
   });
   return out;
+}
+
+// One chunk of n tokens after `start` tokens of its sequence (blocks [NB]).
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& blocks,
+                                   int64_t start, int64_t block_size, double scale) {
+  TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kLong && blocks.is_contiguous(),
+              "blocks: contiguous int64 [blocks]");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.size(0),
+              "q: contiguous float32 [n, H, D], n >= 1");
+  const auto one = [](int64_t v) { return at::full({1}, v, at::kLong); };
+  return paged_prefills_attention(q, k_cache, v_cache, blocks.view({1, -1}), one(start),
+                                  one(q.size(0)), block_size, scale);
 }
 
 }  // namespace crowdchat
@@ -314,9 +369,13 @@ TORCH_LIBRARY(crowdchat, m) {
   m.def(
       "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, "
       "int start, int block_size, float scale) -> Tensor");
+  m.def(
+      "paged_prefills_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, "
+      "Tensor starts, Tensor sizes, int block_size, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
   m.impl("paged_decode_attention", &crowdchat::paged_decode_attention);
   m.impl("paged_prefill_attention", &crowdchat::paged_prefill_attention);
+  m.impl("paged_prefills_attention", &crowdchat::paged_prefills_attention);
 }
