@@ -26,7 +26,7 @@ from engine.kernels import cpu_kernels
 from engine.model.kv_cache import bytes_per_token
 from engine.model.loader import LoadedModel
 from engine.model.plan import StepPlan
-from engine.model.runner import PROMPT_SERIAL_ROWS, SERIAL_ROWS, ModelRunner
+from engine.model.runner import PROMPT_SERIAL_PAIRS, PROMPT_SERIAL_ROWS, SERIAL_ROWS, ModelRunner
 from engine.threads import run_in_fresh_thread
 from tests.conftest import ask, make_engine
 
@@ -214,7 +214,8 @@ def test_a_few_row_step_runs_on_the_engine_thread_alone_unless_it_splits_columns
     thread), unless its decode steps split their matmuls' columns over the threads
     (`LeanLlama.shared_decodes`: the int8-activation kernels), where one row has them all; a
     bigger step has them all, as every thread starts with. A step with prompt tokens runs
-    alone up to PROMPT_SERIAL_ROWS rows on the AVX512-VNNI kernels."""
+    alone up to PROMPT_SERIAL_ROWS rows on the AVX512-VNNI kernels, unless its attention has
+    PROMPT_SERIAL_PAIRS (query, key) pairs."""
     threads = run_in_fresh_thread(torch.get_num_threads)
     assert threads > 1, "the suite runs where torch has more than one thread"
     runner = nf4_engine.runner
@@ -226,13 +227,18 @@ def test_a_few_row_step_runs_on_the_engine_thread_alone_unless_it_splits_columns
     bigger = lambda: runner._use_threads(SERIAL_ROWS + 1) or torch.get_num_threads()  # noqa: E731
     assert nf4_engine._call(bigger) == threads
 
-    def prompt_step(rows: int) -> int:  # a step with prompt tokens: op by op
-        runner._use_threads(rows, prompt=True)
+    def prompt_step(rows: int, pairs: int = 0) -> int:  # a step with prompt tokens: op by op
+        runner._use_threads(rows, prompt=True, pairs=pairs)
         return torch.get_num_threads()
 
     alone = PROMPT_SERIAL_ROWS if shared and cpu_kernels.q4_dot_layout() else SERIAL_ROWS
     assert nf4_engine._call(lambda: prompt_step(alone)) == 1
     assert nf4_engine._call(lambda: prompt_step(alone + 1)) == threads
+    # a message after a long conversation: its attention over the threads
+    long_context = PROMPT_SERIAL_PAIRS
+    assert nf4_engine._call(lambda: prompt_step(alone, long_context - 1)) == 1
+    assert nf4_engine._call(lambda: prompt_step(SERIAL_ROWS + 1, long_context)) == threads
+    assert nf4_engine._call(lambda: prompt_step(SERIAL_ROWS, long_context)) == 1
 
     def one_row_split_by_rows() -> int:
         lean, runner.lean = runner.lean, None  # no column split: the rows' bound holds

@@ -68,6 +68,12 @@ SERIAL_ROWS = 3
 # prompt tokens 67-68 against 75-77, 30 with 26: 90 against 80-83. On the AVX2 build there two
 # threads won from 8 tokens (38 against 41 ms; 32 tokens 72 against 96-98): SERIAL_ROWS.
 PROMPT_SERIAL_ROWS = 48
+# ... unless its attention reads this many (query, key) pairs or more: a returning user's
+# message after a long conversation attends over its threads. Sapphire Rapids VM, in-process, a
+# chunk after cached tokens alone / on both cores: 25 tokens after 100 / 500 / 2,000 31.5 /
+# 44.1 / 81.1 ms against 42.3 / 51.2 / 66.6; 8 after 2,000 37.0 against 34.7; 48 after 500
+# 74.1 against 75.2.
+PROMPT_SERIAL_PAIRS = 16_384
 
 
 def decode_groups(lens: list[int], block_size: int) -> list[tuple[int, int]]:
@@ -282,7 +288,11 @@ class ModelRunner:
         """Run one step; return the sampled next token of each sequence that reached its end."""
         if self.decode_kernel is not None and self.device.type == "cpu":  # crowdchat's kernels
             rows = len(plan.decodes) + sum(n for _, n in plan.prefills)
-            self._use_threads(rows, bool(plan.prefills))
+            pairs = 0
+            if plan.prefills:  # the step's attention: (query, key) pairs
+                pairs = sum(s.num_computed + 1 for s in plan.decodes)
+                pairs += sum(n * (s.num_computed + n) for s, n in plan.prefills)
+            self._use_threads(rows, bool(plan.prefills), pairs)
         logits = self.forward(plan)
         sampled = plan.decodes + [s for s, n in plan.prefills if s.num_computed + n == s.num_tokens]
         if not sampled:
@@ -290,16 +300,18 @@ class ModelRunner:
         picks = sample(logits, sampled, self.stop_ids, owned=True)  # the step's own logits
         return dict(zip(sampled, picks, strict=True))
 
-    def _use_threads(self, rows: int, prompt: bool = False) -> None:
+    def _use_threads(self, rows: int, prompt: bool = False, pairs: int = 0) -> None:
         """One OpenMP thread for a step of up to `SERIAL_ROWS` rows, else as many as the engine
         thread started with (`--threads`, or torch's default). Where few-row decode steps split
         their matmuls' columns over the threads, a step of decodes only always takes them all,
         and on the AVX512-VNNI kernels one with `prompt` tokens up to `PROMPT_SERIAL_ROWS`
-        rows runs alone."""
+        rows runs alone unless its attention has `PROMPT_SERIAL_PAIRS` (query, key) `pairs`."""
         self._all_threads = self._all_threads or torch.get_num_threads()
         serial = SERIAL_ROWS
         if getattr(self.lean, "shared_decodes", False):
             serial = self._prompt_serial_rows if prompt else 0
+            if prompt and pairs >= PROMPT_SERIAL_PAIRS:
+                serial = min(serial, SERIAL_ROWS)
         team = 1 if rows <= serial else self._all_threads
         if team != self._team:
             torch.ops.crowdchat.omp_threads(team)

@@ -249,7 +249,8 @@ void run_prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
     for (int64_t i = lo; i < hi; ++i) {
       const PrefillItem it = items[i];
       const Chunk& ch = chunks[it.c];
-      float* pi = part.data() + ch.part + ((it.h * ch.key_chunks + it.t0 / kChunk) * ch.M + it.m0) * stride;
+      const int64_t key_chunk = it.h * ch.key_chunks + it.t0 / kChunk;
+      float* pi = part.data() + ch.part + (key_chunk * ch.M + it.m0) * stride;
       attend<T>(qs.data() + ch.qs + (it.h * ch.M + it.m0) * D, kp + it.h * S * D,
                 vp + it.h * S * D, blocks + it.c * blocks_stride, bs, it.t0,
                 std::min(ch.len, it.t0 + kChunk), it.m1 - it.m0, D,

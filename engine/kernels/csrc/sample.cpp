@@ -202,6 +202,8 @@ at::Tensor sample_rows_(at::Tensor& rows, const at::Tensor& u,
 
 }  // namespace crowdchat
 
-TORCH_LIBRARY_FRAGMENT(crowdchat, m) { m.def("sample_rows_(Tensor(a!) rows, Tensor u, Tensor? temps=None) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(crowdchat, m) {
+  m.def("sample_rows_(Tensor(a!) rows, Tensor u, Tensor? temps=None) -> Tensor");
+}
 
 TORCH_LIBRARY_IMPL(crowdchat, CPU, m) { m.impl("sample_rows_", &crowdchat::sample_rows_); }
