@@ -30,6 +30,12 @@ def _both_ways(loaded: LoadedModel, tmp: Path, seed: int, vocab: int = 20000) ->
     # C++) for prefills and mixed steps too
     own = loaded.quant == "nf4" and loaded.model.dtype == torch.float32 and cpu_kernels.load()
     assert runner.lean.cpu_glue == own
+    # steps with prompt tokens of up to 48 rows whose chunks take the prefill kernel: one
+    # `prompt_stack` call on the int8-activation kernels (`LeanLlama._prompt_stack`)
+    assert runner.lean.prompt_stacks == (own and cpu_kernels.q8_activations())
+    stacked = []
+    direct = runner.lean._prompt_stack
+    runner.lean._prompt_stack = lambda *a: stacked.append(1) or direct(*a)
     rng = random.Random(seed)
     seqs: list[Sequence] = []
     for _ in range(rng.randint(3, 6)):
@@ -67,7 +73,20 @@ def _both_ways(loaded: LoadedModel, tmp: Path, seed: int, vocab: int = 20000) ->
         decodes = [s for s in seqs if s.num_computed == s.num_tokens - 1]
         rest = [(s, s.num_tokens - s.num_computed) for s in seqs if s not in decodes]
         plan = StepPlan(decodes=decodes, prefills=rest)
-    for s in seqs:
+    # and a few steps made to fit it: short prompts, and decodes beside a short chunk
+    fresh = []
+    for n in (1, 9, 30):
+        s = Sequence([rng.randrange(100, vocab) for _ in range(n + 12)], SamplingParams())
+        s.block_table = pool.allocate(pool.blocks_for(n + 12))
+        fresh.append((s, n))
+    step(StepPlan(prefills=fresh))
+    for s, n in fresh:
+        s.num_computed = n
+    step(StepPlan(decodes=[s for s, _ in fresh[:2]], prefills=[(fresh[2][0], 12)]))
+    steps += 2
+    if runner.lean.prompt_stacks:
+        assert len(stacked) >= 2, stacked
+    for s in seqs + [s for s, _ in fresh]:
         pool.free(s.block_table)
     return steps
 
@@ -76,11 +95,11 @@ def _both_ways(loaded: LoadedModel, tmp: Path, seed: int, vocab: int = 20000) ->
 def test_lean_forward_equals_transformers_bitwise_nf4(
     nf4_model: LoadedModel, tmp_path: Path, seed: int
 ) -> None:
-    assert run_in_fresh_thread(lambda: _both_ways(nf4_model, tmp_path, seed)) == 7
+    assert run_in_fresh_thread(lambda: _both_ways(nf4_model, tmp_path, seed)) == 9
 
 
 def test_lean_forward_equals_transformers_bitwise_fp32(fp32_model: LoadedModel, tmp_path) -> None:
-    assert run_in_fresh_thread(lambda: _both_ways(fp32_model, tmp_path, 2)) == 7
+    assert run_in_fresh_thread(lambda: _both_ways(fp32_model, tmp_path, 2)) == 9
 
 
 def test_scaled_rope_is_computed_as_transformers_does(
@@ -105,7 +124,7 @@ def test_scaled_rope_is_computed_as_transformers_does(
     )
     loaded = load_model(model_config)
     assert loaded.model.model.rotary_emb.rope_type == "llama3"
-    assert run_in_fresh_thread(lambda: _both_ways(loaded, tmp_path, 3, vocab=1000)) == 7
+    assert run_in_fresh_thread(lambda: _both_ways(loaded, tmp_path, 3, vocab=1000)) == 9
 
 
 def test_other_decoders_keep_transformers_code(nf4_model: LoadedModel) -> None:

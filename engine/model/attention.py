@@ -76,6 +76,9 @@ class StepMetadata:
     # the CPU's: many short chunks in one call (`prefill_groups`)
     prefills_kernel: Kernel | None = None
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
+    # a CPU step with prompt tokens run as one `crowdchat::prompt_stack` call: every row's block
+    # table [T, nblk] and context length [T] (its own token included); None: op by op
+    row_tables: tuple[torch.Tensor, torch.Tensor] | None = None
     # CUDA, bfloat16 or float16 compute: RoPE with the K/V write in one launch
     # (triton_layer.rope_store), which the flat forward takes for steps of decodes only
     rope_store: Kernel | None = None

@@ -159,6 +159,8 @@ class LeanLlama:
         self.scaling = self.layers[0].attn.scaling if self.layers else 1.0
         if any(layer.attn.scaling != self.scaling for layer in self.layers):
             self.q4_rows = 0  # `decode_stack` takes one scale for every layer
+        # and a step with prompt tokens of up to `q4_rows` rows can be one `prompt_stack` call
+        self.prompt_stacks = self.shared_decodes and bool(self.q4_rows)
         # False: every step takes `forward`'s general loop (benchmarks and tests compare them)
         self.kernel_decodes = bool(self.q4_rows) or self.dense_above
         # every layer's projections on crowdchat's 4-bit kernel: its CPU ops are built
@@ -183,6 +185,14 @@ class LeanLlama:
             and h.dtype == torch.float32
         ):
             h = self._decodes(h[0], cos[0], sin[0], meta)
+            return self.lm_head(rms_norm(self.final_norm, h)[logit_rows])
+        if (
+            meta.row_tables is not None
+            and self.prompt_stacks
+            and ids.shape[1] <= self.q4_rows
+            and h.dtype == torch.float32
+        ):
+            h = self._prompt_stack(h[0], cos[0], sin[0], meta)
             return self.lm_head(rms_norm(self.final_norm, h)[logit_rows])
         nq, nkv, d = self.heads, self.kv_heads, self.head_dim
         # CUDA, a step of decodes: RoPE, the K/V write and the attention in two launches a
@@ -287,6 +297,26 @@ class LeanLlama:
         return meta.decode_kernel(
             query, kc, vc, group.blocks, group.lens, meta.block_size, scale, out_dtype=q.dtype
         )  # the Triton kernel's: with the rope_store hook, only it is set
+
+    def _prompt_stack(
+        self,
+        h: torch.Tensor,  # [T, C]
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,
+        meta: StepMetadata,
+    ) -> torch.Tensor:  # [T, C]
+        """A step with prompt tokens (the runner's `row_tables`) in one
+        `crowdchat::prompt_stack` call: as `decode_stack` runs a few-row decode step, each
+        token a row of its own context; bitwise `forward`'s loop (tests/test_lean_llama.py)."""
+        assert meta.row_tables is not None
+        blocks, lens = meta.row_tables
+        k_caches = [meta.k_cache[layer.attn.layer_idx] for layer in self.layers]
+        v_caches = [meta.v_cache[layer.attn.layer_idx] for layer in self.layers]
+        return torch.ops.crowdchat.prompt_stack.default(
+            h, self.stack_weights, self.eps, cos.contiguous(), sin.contiguous(), k_caches,
+            v_caches, meta.slot_mapping, blocks, lens, meta.block_size, self.scaling,
+            self.heads, self.kv_heads,
+        )  # fmt: skip
 
     def _decodes(
         self,

@@ -74,6 +74,16 @@ PROMPT_SERIAL_ROWS = 48
 # 44.1 / 81.1 ms against 42.3 / 51.2 / 66.6; 8 after 2,000 37.0 against 34.7; 48 after 500
 # 74.1 against 75.2.
 PROMPT_SERIAL_PAIRS = 16_384
+# A CPU step with prompt tokens whose attention reads fewer (query, key) pairs than this runs as
+# one `crowdchat::prompt_stack` call on the int8-activation kernels (each token a row attending
+# its own context, as a decode; spin barriers between phases), not op by op. Sapphire Rapids
+# VM, in-process, op by op against stacked: prompts of 8 / 22 / 48 tokens 17.2 / 29.5 / 45.7 ms
+# against 8.9 / 15.3 / 25.8; 7 decodes and a 26-token message 42.5 against 22.8; 23 prompts x 22
+# tokens 283 against 219; 17 messages of 30 tokens after 90 314-327 against 246-254; 25 tokens
+# after 2,000 76 against 52; 64 after 2,000 137 against 125 (its attention alone measured past
+# the bound: 512 fresh tokens 397-405 against 326-341 (262,144 pairs as counted here), 256
+# after 1,000 288-307 against 294-301, 128 after 3,000 287-290 against 312-321).
+PROMPT_STACK_PAIRS = 262_144
 
 
 def decode_groups(lens: list[int], block_size: int) -> list[tuple[int, int]]:
@@ -90,6 +100,12 @@ def decode_groups(lens: list[int], block_size: int) -> list[tuple[int, int]]:
     if lens:
         groups.append((lo, len(lens)))
     return groups
+
+
+def _pairs(plan: StepPlan) -> int:
+    """The (query, key) pairs a step's attention reads (a chunk's n x its context's length)."""
+    pairs = sum(s.num_computed + 1 for s in plan.decodes)
+    return pairs + sum(n * (s.num_computed + n) for s, n in plan.prefills)
 
 
 def prefill_group(chunks: list[tuple[int, int, int, list[int]]], dev: torch.device) -> PrefillGroup:
@@ -230,7 +246,22 @@ class ModelRunner:
                 prefills.append(PrefillChunk(start, start + n, ctx, mask))
             if p0 + n == seq.num_tokens:
                 logit_rows.append(start + n - 1)
+        row_tables = None
+        if self._stacks_prompt(plan):  # one `prompt_stack` call: each row's table and length
+            tables = [groups[0].blocks[i].tolist() for i in range(len(plan.decodes))]
+            lens = list(all_lens)
+            for seq, n in plan.prefills:
+                p0 = seq.num_computed
+                blocks = seq.block_table[: -(-(p0 + n) // bs)]
+                tables += [blocks] * n
+                lens += range(p0 + 1, p0 + n + 1)
+            width = max(map(len, tables))
+            table = torch.zeros(len(tables), width, dtype=torch.long)
+            for row, blocks in enumerate(tables):
+                table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+            row_tables = (table.to(dev), torch.tensor(lens).to(dev))
         meta = StepMetadata(
+            row_tables=row_tables,
             prefills_kernel=self.prefills_kernel,
             prefill_groups=[prefill_group(run, dev) for run in runs if run],
             k_cache=cache.k,
@@ -288,17 +319,33 @@ class ModelRunner:
         """Run one step; return the sampled next token of each sequence that reached its end."""
         if self.decode_kernel is not None and self.device.type == "cpu":  # crowdchat's kernels
             rows = len(plan.decodes) + sum(n for _, n in plan.prefills)
-            pairs = 0
-            if plan.prefills:  # the step's attention: (query, key) pairs
-                pairs = sum(s.num_computed + 1 for s in plan.decodes)
-                pairs += sum(n * (s.num_computed + n) for s, n in plan.prefills)
-            self._use_threads(rows, bool(plan.prefills), pairs)
+            pairs = _pairs(plan) if plan.prefills else 0
+            if self._stacks_prompt(plan):  # one parallel region: every thread
+                self._use_threads(rows)
+            else:
+                self._use_threads(rows, bool(plan.prefills), pairs)
         logits = self.forward(plan)
         sampled = plan.decodes + [s for s, n in plan.prefills if s.num_computed + n == s.num_tokens]
         if not sampled:
             return {}
         picks = sample(logits, sampled, self.stop_ids, owned=True)  # the step's own logits
         return dict(zip(sampled, picks, strict=True))
+
+    def _stacks_prompt(self, plan: StepPlan) -> bool:
+        """Whether a CPU step with prompt tokens runs as one `crowdchat::prompt_stack` call
+        (`LeanLlama._prompt_stack`): on the int8-activation kernels, where every chunk takes
+        the prefill kernel (whose queries are bitwise the decode kernel's: the values do not
+        depend on the choice, nor on the batch) and its attention reads fewer than
+        `PROMPT_STACK_PAIRS` (query, key) pairs (each token reads its whole context alone,
+        where the prefill kernel shares each block among 16 tokens)."""
+        if not plan.prefills or self.prefills_kernel is None or self.lean is None:
+            return False
+        if not getattr(self.lean, "prompt_stacks", False):
+            return False
+        if any(n > PREFILL_KERNEL_TOKENS for _, n in plan.prefills):
+            return False  # SDPA's values, not the kernel's: the loop keeps them
+        rows = len(plan.decodes) + sum(n for _, n in plan.prefills)
+        return 0 < rows <= self.lean.q4_rows and _pairs(plan) < PROMPT_STACK_PAIRS
 
     def _use_threads(self, rows: int, prompt: bool = False, pairs: int = 0) -> None:
         """One OpenMP thread for a step of up to `SERIAL_ROWS` rows, else as many as the engine

@@ -127,7 +127,7 @@ at::Tensor decode_stack_shared(const at::Tensor& h, at::TensorList weights, doub
                                at::TensorList k_caches, at::TensorList v_caches,
                                const at::Tensor& slots, const at::Tensor& blocks,
                                const at::Tensor& lens, int64_t block_size, double scale,
-                               int64_t heads, int64_t kv_heads) {
+                               int64_t heads, int64_t kv_heads, bool prompt = false) {
   const auto layers = static_cast<int64_t>(k_caches.size());
   const int64_t t = h.size(0), c = h.size(1), d = k_caches[0].size(2);
   const auto opts = h.options();
@@ -174,9 +174,13 @@ at::Tensor decode_stack_shared(const at::Tensor& h, at::TensorList weights, doub
         go = barrier.wait();
         if (go) crowdchat::q4_linear_share(x, w[1], w[2], p, n, qkv);
         go = go && barrier.wait();
+        at::Tensor q;
+        if (go && tp > 0)
+          q = rope_store(qkv.index_select(0, mine), cos_p, sin_p, k_caches[l], v_caches[l],
+                         slots_p, heads, kv_heads);
+        // a prompt's tokens attend to each other's K/V: every row's written first
+        if (prompt) go = go && barrier.wait();
         if (go && tp > 0) {
-          const auto q = rope_store(qkv.index_select(0, mine), cos_p, sin_p, k_caches[l],
-                                    v_caches[l], slots_p, heads, kv_heads);
           const auto a = paged_decode_attention(q, k_caches[l], v_caches[l], blocks_p, lens_p,
                                                 block_size, scale);
           o.index_copy_(0, mine, a.view({tp, -1}));
@@ -222,6 +226,30 @@ bool stack_shares(at::TensorList weights) {
 
 // whether decode_stack splits columns (`decode_stack_shared`); returns the setting before
 bool set_shared_decode(bool on) { return shared_wanted.exchange(on); }
+
+// A step with prompt tokens as `decode_stack_shared` runs a few-row decode step, in one
+// parallel region: each token a row attending to its own first `lens` tokens through its own
+// row of `blocks` (a prompt token's attention is bitwise its decode's: paged_decode.cpp), the
+// K/V of every row written before any row attends. The other values come from the same kernels
+// on the same rows as the op-by-op loop, so they are bitwise the same. Where op by op each of
+// a layer's ~20 parallel regions woke the other core (passive waits), here spin barriers
+// separate 8 phases a layer.
+at::Tensor prompt_stack(const at::Tensor& h, at::TensorList weights, double eps,
+                        const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
+                        at::TensorList v_caches, const at::Tensor& slots,
+                        const at::Tensor& blocks, const at::Tensor& lens, int64_t block_size,
+                        double scale, int64_t heads, int64_t kv_heads) {
+  const auto layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0 && v_caches.size() == k_caches.size() &&
+                  static_cast<int64_t>(weights.size()) == 10 * layers,
+              "prompt_stack: 10 weights and a K and V pool half a layer");
+  TORCH_CHECK(h.dim() == 2 && h.size(0) > 0 && h.scalar_type() == at::kFloat,
+              "h: float32 [T, C] with T >= 1");
+  TORCH_CHECK(!at::in_parallel_region() && stack_shares(weights),
+              "prompt_stack: the int8-activation layouts, outside a parallel region");
+  return decode_stack_shared(h, weights, eps, cos, sin, k_caches, v_caches, slots, blocks, lens,
+                             block_size, scale, heads, kv_heads, true);
+}
 
 // Every layer of a decode step (`decode_layer` for each; weights: 10 a layer, in order; the
 // pool's halves one a layer), its rows split over the threads: each thread takes rows i,
@@ -279,6 +307,10 @@ TORCH_LIBRARY_FRAGMENT(crowdchat, m) {
       "decode_stack(Tensor h, Tensor[] weights, float eps, Tensor cos, Tensor sin, "
       "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor blocks, Tensor lens, "
       "int block_size, float scale, int heads, int kv_heads) -> Tensor");
+  m.def(
+      "prompt_stack(Tensor h, Tensor[] weights, float eps, Tensor cos, Tensor sin, "
+      "Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slots, Tensor blocks, Tensor lens, "
+      "int block_size, float scale, int heads, int kv_heads) -> Tensor");
   m.def("set_shared_decode(bool on) -> bool", &crowdchat::set_shared_decode);
   // whether decode_stack can split these weights' columns over the threads (few rows)
   m.def("decode_stack_shares(Tensor[] weights) -> bool");
@@ -291,5 +323,6 @@ TORCH_LIBRARY_FRAGMENT(crowdchat, m) {
 TORCH_LIBRARY_IMPL(crowdchat, CPU, m) {
   m.impl("decode_layer", &crowdchat::decode_layer);
   m.impl("decode_stack", &crowdchat::decode_stack);
+  m.impl("prompt_stack", &crowdchat::prompt_stack);
   m.impl("decode_stack_shares", &crowdchat::stack_shares);
 }
