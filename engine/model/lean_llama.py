@@ -161,6 +161,7 @@ class LeanLlama:
             self.q4_rows = 0  # `decode_stack` takes one scale for every layer
         # and a step with prompt tokens of up to `q4_rows` rows can be one `prompt_stack` call
         self.prompt_stacks = self.shared_decodes and bool(self.q4_rows)
+        self._own = own
         # False: every step takes `forward`'s general loop (benchmarks and tests compare them)
         self.kernel_decodes = bool(self.q4_rows) or self.dense_above
         # every layer's projections on crowdchat's 4-bit kernel: its CPU ops are built
@@ -188,8 +189,7 @@ class LeanLlama:
             return self.lm_head(rms_norm(self.final_norm, h)[logit_rows])
         if (
             meta.row_tables is not None
-            and self.prompt_stacks
-            and ids.shape[1] <= self.q4_rows
+            and ids.shape[1] <= self.prompt_stack_rows()
             and h.dtype == torch.float32
         ):
             h = self._prompt_stack(h[0], cos[0], sin[0], meta)
@@ -297,6 +297,15 @@ class LeanLlama:
         return meta.decode_kernel(
             query, kc, vc, group.blocks, group.lens, meta.block_size, scale, out_dtype=q.dtype
         )  # the Triton kernel's: with the rope_store hook, only it is set
+
+    def prompt_stack_rows(self) -> int:
+        """The most rows a step with prompt tokens may take in one `prompt_stack` call (0:
+        none): `q4_rows`, and no more than where `--cpu-bf16-above` puts a linear on the bf16
+        GEMM (which the op-by-op loop would then take)."""
+        if not self.prompt_stacks:
+            return 0
+        wide = [m.bf16_rows for m in self._own if getattr(m, "bf16_rows", 0)]
+        return min([self.q4_rows, *wide])
 
     def _prompt_stack(
         self,

@@ -345,7 +345,8 @@ class ModelRunner:
         if any(n > PREFILL_KERNEL_TOKENS for _, n in plan.prefills):
             return False  # SDPA's values, not the kernel's: the loop keeps them
         rows = len(plan.decodes) + sum(n for _, n in plan.prefills)
-        return 0 < rows <= self.lean.q4_rows and _pairs(plan) < PROMPT_STACK_PAIRS
+        fits = 0 < rows <= self.lean.prompt_stack_rows()
+        return fits and _pairs(plan) < PROMPT_STACK_PAIRS
 
     def _use_threads(self, rows: int, prompt: bool = False, pairs: int = 0) -> None:
         """One OpenMP thread for a step of up to `SERIAL_ROWS` rows, else as many as the engine
