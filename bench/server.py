@@ -3,6 +3,7 @@ PROXY_ARGS), or one someone else runs (`--base`); its memory and its Prometheus 
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import sys
@@ -32,11 +33,12 @@ class Server:
 
     def __init__(self, base: str | None, server_args: list[str]) -> None:
         self.proc: subprocess.Popen | None = None
+        self.data: str | None = None
         if base:
             self.base = base.rstrip("/")
             return
         port = free_port()
-        data = tempfile.mkdtemp(prefix="crowdchat-load-")
+        data = self.data = tempfile.mkdtemp(prefix="crowdchat-load-")  # ~0.5 GB: stop() removes it
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -90,3 +92,6 @@ class Server:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
+        if self.data is not None:
+            shutil.rmtree(self.data, ignore_errors=True)
