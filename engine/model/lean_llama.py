@@ -318,10 +318,23 @@ class LeanLlama:
         `crowdchat::prompt_stack` call: as `decode_stack` runs a few-row decode step, each
         token a row of its own context; bitwise `forward`'s loop (tests/test_lean_llama.py)."""
         assert meta.row_tables is not None
-        blocks, lens = meta.row_tables
+        op = torch.ops.crowdchat.prompt_stack.default
+        return self._stack(op, h, cos, sin, meta, *meta.row_tables)
+
+    def _stack(
+        self,
+        op: Callable[..., torch.Tensor],
+        h: torch.Tensor,  # [T, C]
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,
+        meta: StepMetadata,
+        blocks: torch.Tensor,  # [T, nblk]: each row's block table
+        lens: torch.Tensor,  # [T]: each row's context length, its own token included
+    ) -> torch.Tensor:  # [T, C]
+        """Every layer in one call of `op` (`decode_stack` or `prompt_stack`)."""
         k_caches = [meta.k_cache[layer.attn.layer_idx] for layer in self.layers]
         v_caches = [meta.v_cache[layer.attn.layer_idx] for layer in self.layers]
-        return torch.ops.crowdchat.prompt_stack.default(
+        return op(
             h, self.stack_weights, self.eps, cos.contiguous(), sin.contiguous(), k_caches,
             v_caches, meta.slot_mapping, blocks, lens, meta.block_size, self.scaling,
             self.heads, self.kv_heads,
@@ -350,12 +363,9 @@ class LeanLlama:
         t, nq, nkv, bs = h.shape[0], self.heads, self.kv_heads, meta.block_size
         cos, sin = cos.contiguous(), sin.contiguous()
         if t <= self.q4_rows:  # every layer in one call, its rows split over the threads
-            k_caches = [meta.k_cache[layer.attn.layer_idx] for layer in self.layers]
-            v_caches = [meta.v_cache[layer.attn.layer_idx] for layer in self.layers]
-            return ops.decode_stack.default(
-                h, self.stack_weights, self.eps, cos, sin, k_caches, v_caches,
-                meta.slot_mapping, group.blocks, group.lens, bs, self.scaling, nq, nkv,
-            )  # fmt: skip
+            return self._stack(
+                ops.decode_stack.default, h, cos, sin, meta, group.blocks, group.lens
+            )
 
         for layer in self.layers:  # the dense copies, called as `forward`'s loop calls them
             kc, vc = meta.k_cache[layer.attn.layer_idx], meta.v_cache[layer.attn.layer_idx]

@@ -227,6 +227,16 @@ bool stack_shares(at::TensorList weights) {
 // whether decode_stack splits columns (`decode_stack_shared`); returns the setting before
 bool set_shared_decode(bool on) { return shared_wanted.exchange(on); }
 
+// the checks of a stack's arguments (`name`: the op's)
+void check_stack(const at::Tensor& h, at::TensorList weights, at::TensorList k_caches,
+                 at::TensorList v_caches, const char* name) {
+  const auto layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(layers > 0 && v_caches.size() == k_caches.size() &&
+                  static_cast<int64_t>(weights.size()) == 10 * layers,
+              name, ": 10 weights and a K and V pool half a layer");
+  TORCH_CHECK(h.dim() == 2 && h.size(0) > 0, "h: [T, C] with T >= 1");
+}
+
 // A step with prompt tokens as `decode_stack_shared` runs a few-row decode step, in one
 // parallel region: each token a row attending to its own first `lens` tokens through its own
 // row of `blocks` (a prompt token's attention is bitwise its decode's: paged_decode.cpp), the
@@ -239,12 +249,8 @@ at::Tensor prompt_stack(const at::Tensor& h, at::TensorList weights, double eps,
                         at::TensorList v_caches, const at::Tensor& slots,
                         const at::Tensor& blocks, const at::Tensor& lens, int64_t block_size,
                         double scale, int64_t heads, int64_t kv_heads) {
-  const auto layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(layers > 0 && v_caches.size() == k_caches.size() &&
-                  static_cast<int64_t>(weights.size()) == 10 * layers,
-              "prompt_stack: 10 weights and a K and V pool half a layer");
-  TORCH_CHECK(h.dim() == 2 && h.size(0) > 0 && h.scalar_type() == at::kFloat,
-              "h: float32 [T, C] with T >= 1");
+  check_stack(h, weights, k_caches, v_caches, "prompt_stack");
+  TORCH_CHECK(h.scalar_type() == at::kFloat, "h: float32");
   TORCH_CHECK(!at::in_parallel_region() && stack_shares(weights),
               "prompt_stack: the int8-activation layouts, outside a parallel region");
   return decode_stack_shared(h, weights, eps, cos, sin, k_caches, v_caches, slots, blocks, lens,
@@ -266,11 +272,8 @@ at::Tensor decode_stack(const at::Tensor& h, at::TensorList weights, double eps,
                         at::TensorList v_caches, const at::Tensor& slots,
                         const at::Tensor& blocks, const at::Tensor& lens, int64_t block_size,
                         double scale, int64_t heads, int64_t kv_heads) {
+  check_stack(h, weights, k_caches, v_caches, "decode_stack");
   const auto layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(layers > 0 && v_caches.size() == k_caches.size() &&
-                  static_cast<int64_t>(weights.size()) == 10 * layers,
-              "decode_stack: 10 weights and a K and V pool half a layer");
-  TORCH_CHECK(h.dim() == 2 && h.size(0) > 0, "h: [T, C] with T >= 1");
   const int64_t threads = at::get_num_threads();
   if (shared_wanted.load() && threads > 1 && h.size(0) <= kSharedRows * threads &&
       !at::in_parallel_region() && h.scalar_type() == at::kFloat && stack_shares(weights))
