@@ -63,11 +63,12 @@ def test_values_reach_the_pool_exactly(
         return attend(module, query, key, value, *args, **kwargs)
 
     monkeypatch.setattr(lean_llama, "paged_attention", watch)
-    # decodes through `forward`'s loop and its tensor-op glue, where paged attention sees the
-    # values (the kernels' decode path and `_cpu_attention` write bitwise the same K/V:
-    # tests/test_lean_llama.py)
+    # decodes and the prompt through `forward`'s loop and its tensor-op glue, where paged
+    # attention sees the values (the kernels' decode path, `prompt_stack` and `_cpu_attention`
+    # write bitwise the same K/V: tests/test_lean_llama.py)
     monkeypatch.setattr(nf4_engine.runner.lean, "kernel_decodes", False)
     monkeypatch.setattr(nf4_engine.runner.lean, "cpu_glue", False)
+    monkeypatch.setattr(nf4_engine.runner.lean, "prompt_stacks", False)
     ids = formatter.encode([{"role": "user", "content": "Name three colours."}])
     h = nf4_engine.submit(ids, SamplingParams(temperature=0, max_new_tokens=4))
     list(h)
