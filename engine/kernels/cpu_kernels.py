@@ -9,8 +9,9 @@
   cores, and merges them as flash-decoding does: 3-4x faster than the gather at 32 rows of 200
   tokens and at one row of 6,000 (bench/kernel_speed.py). PyTorch has no paged attention for
   the CPU (flex_attention over a paged block mask compiled, and ran ~15x slower than the gather).
-  `paged_prefill_attention`, the same work items for a short prefill chunk after cached tokens
-  (a returning user's next message, a long prompt's later chunks): its n x G query vectors
+  `paged_prefills_attention`, the same work items for a step's short prefill chunks in one
+  call (new prompts, a returning user's next message; `paged_prefill_attention` takes one
+  chunk): each chunk's n x G query vectors
   per KV head share each widened block, and each query's output is bitwise the decode
   kernel's for that token, where the gather path copied the whole context into a dense tensor
   and SDPA took an explicit mask.
@@ -164,12 +165,6 @@ def loaded() -> bool:
 def decode_attention() -> Kernel | None:
     """The paged decode attention op, or None where the kernels cannot be built."""
     return torch.ops.crowdchat.paged_decode_attention if load() else None
-
-
-def prefill_attention() -> Kernel | None:
-    """The paged attention op for a prefill chunk after cached tokens, or None where the kernels
-    cannot be built."""
-    return torch.ops.crowdchat.paged_prefill_attention if load() else None
 
 
 def prefills_attention() -> Kernel | None:
