@@ -156,6 +156,28 @@ def test_int8_activation_kernel_computes_llama_cpps_model(seed: int) -> None:
         assert float((got - near).norm()) <= 0.02 * float(near.norm())
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int8_activation_kernel_at_its_integer_bounds(sign: float) -> None:
+    """The largest integer sums the int8-activation kernels meet: every nibble 15 (but one 0 a
+    group, the group's minimum) against x at +-127 in every place, so each group's products
+    all share a sign (the AVX2 kernel sums a group's pairs of products in int16 lanes before
+    widening them, up to 30,480 of 32,767): the output is still llama.cpp's model of it,
+    as exact as anywhere else, rows alone or batched alike."""
+    if not cpu_kernels.q8_activations():
+        pytest.skip("this build has no int8-activation kernel (AVX2 or AVX512-VNNI)")
+    n, k = 64, 576
+    w = torch.full((n, k), 0.5)
+    w.view(n, -1, GROUP_SIZE)[:, :, 7] = -0.25  # the group's minimum: nibble 0, the rest 15
+    lin = Int4Linear(w, None, own=True, q8=True)
+    qw, _, _ = q4_values(lin)
+    assert int((qw == 15).sum()) == n * k - n * k // GROUP_SIZE
+    x = torch.full((5, k), 3.0 * sign)
+    x[1] *= torch.linspace(0.5, 1.0, k)  # values below the group's maximum too
+    x[2, :GROUP_SIZE] = 0  # an all-zero group beside full ones
+    got = assert_rows(lin, x, q8_reference(x, lin).float(), w)
+    assert bool((got * sign > 0).all())
+
+
 def test_int8_activation_output_projection() -> None:
     """The output projection's int8 weights with int8 x (`int8_dot`: on AVX512-VNNI uint8
     weights + 128, the +128 taken off with the group's sum of x; on AVX2 |w| times x with w's

@@ -140,19 +140,24 @@ void q4_tile(const uint8_t* pw, const uint16_t* psz, const Int8Rows& x, int64_t 
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m256i sums[R];
-    for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+    // pairs of products in int16 lanes, summed over the group's 8 quads before `vpmaddwd`
+    // adds each lane's two: |q x| <= 15 * 128, so a lane holds at most 8 * 2 * 1,920 = 30,720
+    // (no `vpmaddubsw` saturates, no sum wraps) and the int32 sums are dot4's exactly
+    __m256i pairs[R];
+    for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
     const int8_t* xg = x.q.data() + r0 * k + g * kGroup;
     for (int t = 0; t < 8; ++t) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pw + g * 128 + t * 16));
       const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low);
-      for (int r = 0; r < R; ++r) sums[r] = dot4(sums[r], w, quad(xg + r * k + 4 * t));
+      for (int r = 0; r < R; ++r)
+        pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(w, quad(xg + r * k + 4 * t)));
     }
     const __m256 scale = widen(psz + g * 16), zero = widen(psz + g * 16 + 8);
     const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);  // 8 scale exact
     for (int r = 0; r < R; ++r) {
       const int64_t i = (r0 + r) * groups + g;
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]),
+      const __m256i sums = _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
                                _mm256_mul_ps(scale, _mm256_set1_ps(x.d[i])), acc[r]);
       acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.dsum[i]), acc[r]);
     }
