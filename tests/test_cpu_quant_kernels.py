@@ -96,11 +96,11 @@ def q4_values(lin: Int4Linear) -> tuple[torch.Tensor, ...]:
     AVX512 one, `pack_for_dot`, or the AVX2 one, `pack_for_avx2`): nibbles [N, K/32, 32], scales
     and offsets `zero - 8 scale` [N, K/32], float64."""
     g = GROUP_SIZE
-    if lin.packed.shape[-1] == 128:  # AVX2: per 4 values of K, byte 4c + j: c low, c + 4 high
+    if lin.packed.shape[-1] == 128:  # AVX2: per 8 values of K, byte 4c + j: 8p + j low, + 4 high
         blocks, groups = lin.packed.shape[:2]
-        b = lin.packed.view(blocks, groups, 8, 4, 4).long()  # block, group, t, column, j
-        qw = torch.stack([b & 15, b >> 4], 1)  # block, half, group, t, column, j
-        qw = qw.permute(0, 1, 4, 2, 3, 5).reshape(blocks * 8, groups, g).double()
+        b = lin.packed.view(blocks, groups, 4, 8, 4).long()  # block, group, p, column, j
+        qw = torch.stack([b & 15, b >> 4], 3)  # block, group, p, half, column, j
+        qw = qw.permute(0, 4, 1, 2, 3, 5).reshape(blocks * 8, groups, g).double()
         sz = lin.scales_zeros.view(blocks, groups, 2, 8).permute(2, 0, 3, 1).double()
         scale, zero = sz[0].reshape(-1, groups), sz[1].reshape(-1, groups)
         return qw, scale, zero - 8 * scale

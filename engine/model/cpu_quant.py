@@ -240,12 +240,13 @@ def pack_for_dot(
 
 def pack_for_avx2(q: torch.Tensor, sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """csrc/q8_avx2.cpp's layout of `q` (int [N, K], 0..15) and `sz` (bfloat16 [K/32, N, 2]):
-    columns in blocks of 8; per 4 values of K (K = 4t + j) 16 bytes, byte 4c + j holding
-    column c's q (low nibble) and column c + 4's (high nibble): uint8 [N/8, K/32, 128]; per
-    group the block's 8 bfloat16 scales, then its 8 zeros: [N/8, K/32, 16]."""
+    columns in blocks of 8; per 8 values of K (K = 8p + j and 8p + 4 + j) 32 bytes, byte
+    4c + j holding column c's q[8p + j] (low nibble) and q[8p + 4 + j] (high nibble): uint8
+    [N/8, K/32, 128]; per group the block's 8 bfloat16 scales, then its 8 zeros: [N/8, K/32,
+    16]."""
     n, k = q.shape
-    quads = q.to(torch.uint8).view(n // 8, 2, 4, k // 4, 4)  # block, half, column, t, j
-    byte = quads[:, 0] | (quads[:, 1] << 4)  # block, column, t, j
+    eights = q.to(torch.uint8).view(n // 8, 8, k // 8, 2, 4)  # block, column, p, half, j
+    byte = eights[:, :, :, 0] | (eights[:, :, :, 1] << 4)  # block, column, p, j
     packed = byte.permute(0, 2, 1, 3).reshape(n // 8, k // GROUP_SIZE, 128)
     s = sz.view(k // GROUP_SIZE, n // 8, 8, 2).permute(1, 0, 3, 2)  # block, g, kind, c
     return packed.contiguous(), s.reshape(n // 8, k // GROUP_SIZE, 16).contiguous()
