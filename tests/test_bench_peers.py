@@ -12,6 +12,7 @@ from bench import peers
 from bench.machine import machine
 from bench.peers import run_server, sdist_url, summarize
 from bench.stream_client import ReplyCount
+from bench.vllm_cpu import add_vllm_dtype, best_vllm_dtype
 
 
 def sse(event: dict) -> str:
@@ -91,6 +92,15 @@ def test_the_machine_names_the_first_cpu_and_whether_it_has_avx512_bf16():
     assert machine(info)["vector_extensions"] == ["avx512f", "avx512_bf16"]
     epyc = machine("model name: EPYC\nflags: sse fma avx avx2\n")
     assert epyc["avx512_bf16"] is False and epyc["vector_extensions"] == ["avx", "avx2", "fma"]
+
+
+def test_vllm_runs_in_its_fastest_dtype_for_the_cpu_unless_told():
+    assert best_vllm_dtype("model name: Xeon\nflags: avx512f avx512_bf16\n") == "bfloat16"
+    assert best_vllm_dtype("model name: EPYC\nflags: avx2 fma\n") == "float32"
+    ap = argparse.ArgumentParser()
+    add_vllm_dtype(ap)
+    assert ap.parse_args([]).vllm_dtype == best_vllm_dtype()
+    assert ap.parse_args(["--vllm-dtype", "bfloat16"]).vllm_dtype == "bfloat16"
 
 
 def test_llama_server_is_compared_at_its_best_thread_count_and_at_all_cores():
