@@ -50,8 +50,8 @@ def add_vllm_dtype(ap: argparse.ArgumentParser) -> None:
 
 def best_vllm_dtype(cpuinfo: str | None = None) -> str:
     """vLLM-CPU's fastest dtype on this CPU: bfloat16 where it has AVX512-BF16, else float32
-    (on a 2-core Zen 3, 2026-12-07: 12.5 / 16.2 / 17.5 tokens/s at 1 / 8 / 32 users in
-    bfloat16)."""
+    (`bench/peers.py` on a 2-core Zen 3, 2026-12-07: 22.1 / 74.5 / 103.9 tokens/s at 1 / 8 /
+    32 users in float32, 12.5 / 16.2 / 17.5 in bfloat16 half an hour before)."""
     text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
     return "bfloat16" if machine(text)["avx512_bf16"] else "float32"
 
