@@ -161,7 +161,7 @@ def test_int8_activation_kernel_at_its_integer_bounds(sign: float) -> None:
     """The largest integer sums the int8-activation kernels meet: every nibble 15 (but one 0 a
     group, the group's minimum) against x at +-127 in every place, so each group's products
     all share a sign (the AVX2 kernel sums a group's pairs of products in int16 lanes before
-    widening them, up to 30,480 of 32,767): the output is still llama.cpp's model of it,
+    widening them: 30,480 of 32,767 here): the output is still llama.cpp's model of it,
     as exact as anywhere else, rows alone or batched alike."""
     if not cpu_kernels.q8_activations():
         pytest.skip("this build has no int8-activation kernel (AVX2 or AVX512-VNNI)")

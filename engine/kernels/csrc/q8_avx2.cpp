@@ -10,7 +10,7 @@
 // multiplies them with those 4 values of x (broadcast) into pairs of products in int16 lanes,
 // which add up over the group's 32 values before one `vpmaddwd` a group widens them to 8
 // exact int32 sums; only then is each group's sum scaled, 8 columns at once, in float32:
-// y += d (scale sum(q x) + (zero - 8 scale) sum(x)). That is 3 instructions per 32
+// y += d (scale sum(q x) + (zero - 8 scale) sum(x)). That is 2 instructions per 32
 // multiply-adds where float32 FMAs take 4, on a quarter of the bytes of x, and no horizontal
 // sums. One block's groups are unpacked once for up to 4 rows. Each output is computed in
 // the same order whatever the rows beside it or the threads: a row's result is bitwise the
@@ -155,8 +155,10 @@ void q4_tile(const uint8_t* pw, const uint16_t* psz, const Int8Rows& x, int64_t 
     // 25.0-25.2 / 48.7-49.2 ms against 8.4-8.6 / 29.1-29.4 / 56.8; one row the same)
 #pragma GCC unroll 1
     for (int p = 0; p < 4; ++p) {  // 8 values of K: one load, two masks
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + g * 128 + p * 32));
-      const __m256i w[2] = {_mm256_and_si256(b, low), _mm256_and_si256(_mm256_srli_epi16(b, 4), low)};
+      const __m256i b =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + g * 128 + p * 32));
+      const __m256i w[2] = {_mm256_and_si256(b, low),
+                            _mm256_and_si256(_mm256_srli_epi16(b, 4), low)};
       for (int h = 0; h < 2; ++h)
         for (int r = 0; r < R; ++r)
           pairs[r] = _mm256_add_epi16(pairs[r],
