@@ -248,17 +248,18 @@ class ModelRunner:
                 logit_rows.append(start + n - 1)
         row_tables = None
         if self._stacks_prompt(plan):  # one `prompt_stack` call: each row's table and length
-            tables = [groups[0].blocks[i].tolist() for i in range(len(plan.decodes))]
+            # the decodes' rows are their group's table; a chunk's rows all share its blocks
+            chunks = [
+                seq.block_table[: -(-(seq.num_computed + n) // bs)] for seq, n in plan.prefills
+            ]
+            decodes = groups[0].blocks.cpu() if groups else torch.zeros(0, 0, dtype=torch.long)
+            width = max([decodes.shape[1], *map(len, chunks)])
+            table = torch.zeros(len(ids), width, dtype=torch.long)
+            table[: len(plan.decodes), : decodes.shape[1]] = decodes
             lens = list(all_lens)
-            for seq, n in plan.prefills:
-                p0 = seq.num_computed
-                blocks = seq.block_table[: -(-(p0 + n) // bs)]
-                tables += [blocks] * n
-                lens += range(p0 + 1, p0 + n + 1)
-            width = max(map(len, tables))
-            table = torch.zeros(len(tables), width, dtype=torch.long)
-            for row, blocks in enumerate(tables):
-                table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+            for (seq, n), blocks in zip(plan.prefills, chunks, strict=True):
+                table[len(lens) : len(lens) + n, : len(blocks)] = torch.tensor(blocks)
+                lens += range(seq.num_computed + 1, seq.num_computed + n + 1)
             row_tables = (table.to(dev), torch.tensor(lens).to(dev))
         meta = StepMetadata(
             row_tables=row_tables,
