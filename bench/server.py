@@ -33,12 +33,15 @@ class Server:
 
     def __init__(self, base: str | None, server_args: list[str]) -> None:
         self.proc: subprocess.Popen | None = None
+        self.log = None
         self.data: str | None = None
         if base:
             self.base = base.rstrip("/")
             return
         port = free_port()
         data = self.data = tempfile.mkdtemp(prefix="crowdchat-load-")  # ~0.5 GB: stop() removes it
+        log = Path(data) / "server.log"  # its stderr: the reason when it fails to start
+        self.log = log.open("wb")
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -52,11 +55,15 @@ class Server:
             ],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=self.log,
         )
         self.base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 300
         while time.time() < deadline:
+            if self.proc.poll() is not None:  # it exited: say why now, not after the deadline
+                tail = log.read_text(errors="replace").splitlines()[-15:]
+                self.stop()
+                raise SystemExit("crowdchat exited while starting:\n" + "\n".join(tail))
             try:
                 if httpx.get(self.base + "/v1/models", timeout=2).status_code == 200:
                     return
@@ -93,5 +100,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+            self.proc = None
+        if self.log is not None:
+            self.log.close()
         if self.data is not None:
             shutil.rmtree(self.data, ignore_errors=True)
