@@ -143,6 +143,11 @@ class CrowdchatCollector(Collector):
             "session_recomputes", "Turns that recomputed a lost KV prefix", st.recomputes
         )
         yield _counter(
+            "session_recomputes_chosen",
+            "Recomputes that left a snapshot unread: recomputing was predicted faster",
+            st.recomputes_chosen,
+        )
+        yield _counter(
             "session_restore_errors",
             "Restores that failed unexpectedly (the session recomputed)",
             st.restore_errors,

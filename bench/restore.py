@@ -2,7 +2,9 @@
 recomputed from the transcript (cold), for histories of ~500, ~1000 and ~2000 tokens.
 
 Snapshot files are evicted from the page cache (posix_fadvise) before each restore, so
-"disk" means disk. Prints one JSON object per history length and, last, a summary.
+"disk" means disk, and always read (the session layer would skip a snapshot slower to read
+than to recompute: each row says which it would choose now, from the engine's measured
+paces). Prints one JSON object per history length and, last, a summary.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from bench.throughput import TEXT  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from sessions import SessionConfig, SessionManager  # noqa: E402
+from sessions.offload import recompute_is_faster  # noqa: E402
 
 NEXT = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
 
@@ -63,6 +66,7 @@ def main() -> None:
     engine = Engine(config, loaded)
     work = Path(tempfile.mkdtemp(prefix="crowdchat-restore-"))
     sm = SessionManager(engine, SessionConfig(idle_seconds=1e9, tokens_per_minute=0), work)
+    sm.offload.weigh_recompute = False  # time every tier; the rows say what it would choose
     summary: dict[str, float | str] = {
         "device": str(loaded.device),
         "quant": config.quant,
@@ -105,12 +109,17 @@ def main() -> None:
                 for m, sid in sids.items():
                     sm.delete_session(owners[m], sid)
             med = {m: statistics.median(v) for m, v in times.items()}
+            read, recompute = engine.read_s(snap_bytes), engine.recompute_s(tokens)
             row = {
                 "history_tokens": tokens,
                 **{f"{m}_ttft_s": round(v, 4) for m, v in med.items()},
                 "restore_over_recompute": round(med["restore"] / med["recompute"], 4),
                 "snapshot_bytes_per_token": round(snap_bytes / tokens, 1),
                 "restore_mb_per_s": round(snap_bytes / 2**20 / statistics.median(load_s), 1),
+                # the engine's own predictions, which the session layer chooses by
+                "predicted_read_s": read and round(read, 4),
+                "predicted_recompute_s": recompute and round(recompute, 4),
+                "chooses": "recompute" if recompute_is_faster(read, recompute) else "disk",
             }
             print(json.dumps(row), flush=True)
             for key in (
@@ -120,6 +129,9 @@ def main() -> None:
                 "restore_over_recompute",
                 "snapshot_bytes_per_token",
                 "restore_mb_per_s",
+                "predicted_read_s",
+                "predicted_recompute_s",
+                "chooses",
             ):
                 summary[f"{key}_{n}"] = row[key]
     finally:

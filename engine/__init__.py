@@ -18,7 +18,14 @@ from engine.errors import (
     ServerBusy,
 )
 from engine.handle import RequestFailed, RequestHandle
-from engine.kv_file import KVExport, KVFile, KVFileDamaged, kv_crc32, read_kv_file
+from engine.kv_file import (
+    KVExport,
+    KVFile,
+    KVFileDamaged,
+    kv_crc32,
+    kv_file_bytes,
+    read_kv_file,
+)
 from engine.metrics import EngineStats
 from engine.model.runner import StepRunner
 from engine.sequence import FinishReason, SamplingParams
@@ -59,6 +66,7 @@ __all__ = [
     "Startup",
     "StepRunner",
     "kv_crc32",
+    "kv_file_bytes",
     "open_backend",
     "read_kv_file",
 ]

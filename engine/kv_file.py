@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +71,11 @@ def check_crc32(kv: KVFile, crc: int) -> None:
         raise KVFileDamaged("K/V data do not match their hash (corrupted)")
 
 
+def kv_file_bytes(kv: KVFile) -> int:
+    """The bytes of K and V a read of the file moves."""
+    return 2 * math.prod(kv.shape) * kv.dtype.itemsize
+
+
 def read_kv_file(kv: KVFile) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V read from the file into memory, checked against the CRC-32. Raises
     KVFileDamaged for a short, unreadable or corrupted file."""
@@ -84,3 +90,29 @@ def read_kv_file(kv: KVFile) -> tuple[torch.Tensor, torch.Tensor]:
     check_crc32(kv, zlib.crc32(parts[1], zlib.crc32(parts[0])))
     k, v = (torch.frombuffer(bytearray(p), dtype=kv.dtype).view(kv.shape) for p in parts)
     return k, v
+
+
+class ReadPace:
+    """How fast snapshots are read into the pool: seconds a byte, a moving average over the
+    reads so far (only the reading: not the waits for the engine thread around it)."""
+
+    WEIGHT = 0.3  # the newest read's weight
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.s_per_byte: float | None = None
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        pace = seconds / max(nbytes, 1)
+        with self._lock:
+            old = self.s_per_byte
+            self.s_per_byte = pace if old is None else old + self.WEIGHT * (pace - old)
+
+    def seconds(self, nbytes: int) -> float | None:
+        """Seconds a read of `nbytes` takes at this pace (None before the first read)."""
+        pace = self.s_per_byte
+        return None if pace is None else pace * nbytes
+
+    def mb_s(self) -> float | None:
+        pace = self.s_per_byte
+        return None if not pace else 1 / pace / 1e6

@@ -52,6 +52,8 @@ class SessionStats:
     kv_writer_restarts: int = 0
     persist_backoff: dict[str, str] = field(default_factory=dict)  # session -> why, retry when
     refused_by: dict[str, int] = field(default_factory=dict)  # limit -> requests refused
+    recomputes_chosen: int = 0  # recomputes that left a snapshot unread: recomputing was faster
+    disk_read_mb_s: float | None = None  # snapshots' measured read pace (None: none read yet)
 
 
 def session_facts(
@@ -82,6 +84,12 @@ def session_facts(
     return out
 
 
+def read_mb_s(engine: Backend) -> float | None:
+    """The pace snapshots were read into the pool at, MB/s (None before the first read)."""
+    second = engine.read_s(10**6)
+    return 1 / second if second else None
+
+
 def session_stats(store: Store, residency: Residency, admission: Admission) -> SessionStats:
     """The summary for the admin page, the monitor's warnings and /metrics."""
     off = residency.offload
@@ -94,6 +102,8 @@ def session_stats(store: Store, residency: Residency, admission: Admission) -> S
         host_bytes=off.host_bytes(),
         restores=dict(off.restores),
         recomputes=residency.recomputes,
+        recomputes_chosen=residency.recomputes_chosen,
+        disk_read_mb_s=read_mb_s(residency.engine),
         persists=off.persists,
         persist_failures=off.failures,
         evictions=off.evictions,

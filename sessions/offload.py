@@ -10,7 +10,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 
-from engine import Backend, KVExport, KVFileDamaged
+from engine import Backend, KVExport, KVFile, KVFileDamaged, kv_file_bytes
 from sessions.disk_budget import DiskBudget
 from sessions.kv_writer import SnapshotWriter, kv_bytes
 from sessions.persist_retry import PersistRetry, PersistStatus, RetryPolicy
@@ -22,6 +22,16 @@ log = logging.getLogger(__name__)
 RESTORE_STRIPES = 64
 TOMBSTONES = 4096  # deleted session ids remembered; ids are random, so never reused
 CRASHES_UNHEALTHY = 3  # writer crashes in a row without one clean pass
+# A snapshot is read unless recomputing its tokens is predicted this many times faster: a
+# recompute takes steps every user shares, a read only the returning user's thread.
+RECOMPUTE_COST = 2.0
+PROBE_EVERY = 16  # every so many recomputes chosen over the disk, read anyway: its pace moves
+
+
+def recompute_is_faster(read_s: float | None, recompute_s: float | None) -> bool:
+    """Whether recomputing a conversation beats reading its snapshot, by the engine's
+    predictions of both (None: not known yet, so the snapshot is read)."""
+    return read_s is not None and recompute_s is not None and read_s > RECOMPUTE_COST * recompute_s
 
 
 class KVOffloader(SnapshotWriter):
@@ -64,6 +74,8 @@ class KVOffloader(SnapshotWriter):
         self._deleted: OrderedDict[str, None] = OrderedDict()  # guarded by `lock`
         self.last_error: str | None = None
         self.restores = {"host": 0, "disk": 0}
+        self._recompute_choices = 0  # snapshots left unread (every PROBE_EVERY-th is read)
+        self.weigh_recompute = True  # False: always read a snapshot (bench/restore.py times it)
         self.persists = 0
         self.evictions = 0
         self.failures = 0
@@ -121,8 +133,10 @@ class KVOffloader(SnapshotWriter):
 
     # -- back into the pool -------------------------------------------------------------
     def restore(self, sid: str) -> str:
-        """Make the session's KV resident if it is anywhere: 'resident', 'host', 'disk', or
-        'cold' when nothing valid exists (the engine then recomputes the prefix)."""
+        """Make the session's KV resident if it is anywhere: 'resident', 'host', 'disk',
+        'recompute' when a snapshot exists but recomputing its tokens is faster than reading it
+        (the file stays), or 'cold' when nothing valid exists (the engine then recomputes the
+        prefix)."""
         with self._gate(sid):  # a prefetch and the turn itself never load the same file twice
             if self._gone(sid):
                 return "cold"
@@ -151,6 +165,8 @@ class KVOffloader(SnapshotWriter):
         if row is None:
             return "cold"
         kv = self.files.kv_file(sid, self.fingerprint, row["token_hash"])
+        if kv is not None and self._recompute_wins(kv):
+            return "recompute"
         try:
             if kv is not None and not self.engine.import_kv_file(
                 sid, kv, *self.cache_key(sid, kv.token_ids)
@@ -164,6 +180,17 @@ class KVOffloader(SnapshotWriter):
             return "cold"
         self.restores["disk"] += 1
         return "disk"
+
+    def _recompute_wins(self, kv: KVFile) -> bool:
+        """Whether the engine recomputes the snapshot's tokens RECOMPUTE_COST times faster than
+        the disk reads it, both at their measured pace (not known yet: read it)."""
+        if not self.weigh_recompute:
+            return False
+        read = self.engine.read_s(kv_file_bytes(kv))
+        if not recompute_is_faster(read, self.engine.recompute_s(len(kv.token_ids))):
+            return False
+        self._recompute_choices += 1
+        return self._recompute_choices % PROBE_EVERY != 0
 
     # -- bookkeeping --------------------------------------------------------------------
     def record_where(self, sid: str, record: Callable[[str], None]) -> None:

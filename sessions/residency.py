@@ -47,6 +47,7 @@ class Residency:
             self.set_state,
         )
         self.recomputes = 0  # turns whose earlier KV was gone and had to be recomputed
+        self.recomputes_chosen = 0  # of them, turns whose snapshot was slower to read
         self._recover()
         engine.set_memory_pressure_hook(
             lambda short, protected: self.offload.evict(short, protected, self.is_busy)
@@ -64,10 +65,14 @@ class Residency:
     def restore(self, sid: str, had_kv: bool) -> str:
         """Bring the session's KV back for its turn: 'resident', 'host', 'disk' or 'cold'
         ('upstream' when the backend keeps KV itself: nothing to move here). A session that
-        had KV and comes back cold is a recompute, counted here."""
+        had KV and comes back cold is a recompute, counted here, as is a snapshot left unread
+        because recomputing it was faster (then 'cold' too)."""
         if not self.engine.keeps_kv:  # the upstream's prefix cache has it, or recomputes it
             return "upstream"
         source = self.offload.restore(sid)
+        if source == "recompute":
+            self.recomputes_chosen += 1
+            source = "cold"
         if source == "cold" and had_kv:
             self.recomputes += 1
         return source

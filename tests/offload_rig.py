@@ -25,6 +25,10 @@ class FakeEngine:
         self.device_type = "cpu"
         self.resident: dict[str, KVExport] = {}
         self.exports = 0
+        self.imports_from_file = 0
+        # what the engine's step timer and snapshot reads would have measured (None: nothing)
+        self.recompute_s_per_token: float | None = None
+        self.read_s_per_byte: float | None = None
 
     def export_kv(self, sid: str) -> KVExport | None:
         self.exports += 1
@@ -42,7 +46,15 @@ class FakeEngine:
     def import_kv_file(
         self, sid: str, kv: KVFile, cache_ns: str | None = None, shareable_prefix: int = 0
     ) -> bool:
+        self.imports_from_file += 1
         return self.import_kv(sid, KVExport(kv.token_ids, *read_kv_file(kv)))
+
+    def recompute_s(self, tokens: int) -> float | None:
+        pace = self.recompute_s_per_token
+        return None if pace is None else pace * tokens
+
+    def read_s(self, nbytes: int) -> float | None:
+        return None if self.read_s_per_byte is None else self.read_s_per_byte * nbytes
 
     def resident_kv(self) -> dict[str, tuple[int, int, float]]:
         return {s: (len(kv.token_ids), 1, 999.0) for s, kv in list(self.resident.items())}

@@ -1,6 +1,6 @@
 """The KV offloader off the happy path, driven by a fake engine (no model, tests/offload_rig.py):
 writer crashes, races between a delete and a write, unexpected restore errors, orphan snapshot
-files."""
+files, a snapshot left unread where a recompute is faster."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from sessions.offload import PROBE_EVERY, RECOMPUTE_COST
 from sessions.persist_retry import PersistRetry, RetryPolicy
 from tests.offload_rig import FP, Rig, fake_kv, wait_for
 
@@ -133,6 +134,32 @@ def test_an_unexpected_restore_error_is_logged_counted_and_the_session_recompute
     assert rig.files.path(sid).is_file()  # not the file's fault: it stays
     monkeypatch.undo()
     assert rig.off.restore(sid) == "disk"
+
+
+def test_a_snapshot_slower_to_read_than_to_recompute_stays_unread(rig: Rig) -> None:
+    """The disk is read unless the engine predicts a recompute RECOMPUTE_COST times faster;
+    a snapshot left unread stays on disk, and every PROBE_EVERY-th choice reads anyway so the
+    disk's pace stays measured."""
+    sid = rig.session("s", tokens=40)
+    kv = rig.engine.resident[sid]
+    nbytes = kv.k.numel() * kv.k.element_size() * 2  # what a read of its snapshot moves
+    for recompute, read in ((None, 1.0), (1e-3, None), (1.0, 1.0)):  # unknown, or disk faster
+        assert rig.off.persist(sid) and sid not in rig.engine.resident
+        rig.engine.recompute_s_per_token = recompute
+        rig.engine.read_s_per_byte = read if read is None else read * 40 / nbytes
+        assert rig.off.restore(sid) == "disk" and sid in rig.engine.resident
+    assert rig.off.persist(sid)
+    rig.engine.recompute_s_per_token = 1.0  # 40 s to recompute against a read of...
+    rig.engine.read_s_per_byte = 2.01 * 40 / nbytes  # ...80.4 s: just past RECOMPUTE_COST
+    assert RECOMPUTE_COST == 2.0
+    reads = rig.engine.imports_from_file
+    sources = [rig.off.restore(sid) for _ in range(PROBE_EVERY)]
+    assert sources == ["recompute"] * (PROBE_EVERY - 1) + ["disk"]
+    assert rig.engine.imports_from_file == reads + 1
+    assert rig.off.restores["disk"] == 4
+    assert rig.off.persist(sid) and rig.off.restore(sid) == "recompute"
+    assert rig.files.path(sid).is_file() and rig.store.get_snapshot(sid) is not None
+    assert sid not in rig.engine.resident
 
 
 def test_a_damaged_snapshot_is_a_warning_not_a_restore_error(

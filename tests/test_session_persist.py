@@ -107,6 +107,36 @@ def test_opening_a_persisted_conversation_prefetches_its_kv(nf4_sessions: tuple)
     assert turn.result() and turn.restored_from == "resident"
 
 
+def test_a_snapshot_is_read_unless_the_engine_recomputes_it_faster(nf4_sessions: tuple) -> None:
+    """The engine measures both paces as it serves (its steps, its snapshot reads). Here, on
+    a CPU, reading a conversation's KV is far faster than recomputing it, so the turn restores
+    from disk. On a disk slower than the engine (a small model on a GPU: see
+    docs/PERFORMANCE.md) the turn recomputes, counted as a chosen recompute, and the snapshot
+    stays: no slow disk exists here, so its measured pace is set to one."""
+    engine, sm = nf4_sessions
+    sid = sm.create_session("u")["id"]
+    sm.chat("u", sid, Q1, GREEDY).result()
+    assert sm.persist_now(sid)
+    turn = sm.chat("u", sid, Q2, GREEDY)
+    assert turn.result() and turn.restored_from == "disk"
+    tokens = sm.get_session("u", sid)["token_count"]
+    recompute = engine.recompute_s(tokens)
+    read = engine.read_s(tokens * engine.kv_bytes_per_token)
+    assert recompute is not None and read is not None and 0 < 20 * read < recompute
+    assert sm.stats().disk_read_mb_s > 0 and sm.stats().recomputes_chosen == 0
+
+    engine.read_pace.s_per_byte = 1e-3  # a disk of 1 KB/s: far slower than this engine
+    assert sm.persist_now(sid) and sid not in engine.resident_kv()
+    engine.reset_prefix_cache()  # its freed blocks would serve the recompute otherwise
+    turn = sm.chat("u", sid, "And what does it eat?", GREEDY)
+    assert turn.result() and turn.restored_from == "cold"
+    assert turn.handle.num_cached_tokens < tokens // 2  # recomputed, not read
+    stats = sm.stats()
+    assert stats.recomputes_chosen == 1 and stats.recomputes == 1 and stats.restores["disk"] == 1
+    assert sm.offload.store.get_snapshot(sid) is not None  # the older snapshot stays
+    assert sid in engine.resident_kv()
+
+
 def test_five_users_share_a_pool_for_two_lru_first(nf4_model: LoadedModel, tmp_path: Path) -> None:
     blocks = 12  # a few of these conversations fit (3-7 blocks each), never five
     engine, sm = make_sessions(

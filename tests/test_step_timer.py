@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from engine.core.budget import StepTimer
+from engine import SamplingParams
+from engine.core.budget import FIT_EVERY, StepTimer, TokenBudget, prefill_ms
 from engine.metrics import Histogram
+from engine.model.plan import StepPlan
+from engine.sequence import Sequence
 
 # synthetic steps: 10 ms fixed, 0.5 ms per token, 0.001 ms per query-key pair
 STEPS = [
@@ -47,6 +50,27 @@ def test_budget_follows_the_fitted_step_cost_and_the_context() -> None:
     for n, w in STEPS:
         slow.record(n, w, cost(n, w))
     assert slow.budget(8, 1600, 1500) == 16  # never below the floor: prefill progresses
+
+
+def test_a_recompute_is_estimated_from_the_fitted_steps_in_chunks() -> None:
+    """What a conversation's recompute would cost (the session layer weighs a disk read by
+    it): the fitted steps summed over the chunks the token budget cuts it into, published for
+    other threads every FIT_EVERY steps."""
+    budget = TokenBudget(512, None)
+    assert budget.recompute_s(1000) is None
+    for i in range(FIT_EVERY):
+        n, w = STEPS[i % len(STEPS)]
+        seq = Sequence(list(range(1, w // n + n + 2)), SamplingParams())
+        seq.num_computed = w // n
+        plan = StepPlan(prefills=[(seq, n)])
+        work = n * (seq.num_computed + n / 2)
+        budget.record(plan, cost(n, work))
+        assert (budget.recompute_s(1000) is None) == (i < FIT_EVERY - 1)
+    # two chunks, 512 tokens from nothing, then 488 after those 512
+    expected = 2 * 10 + 0.5 * 1000 + 0.001 * (512 * 256 + 488 * (512 + 244))
+    assert prefill_ms((10, 0.5, 0.001), 1000, 512) == expected
+    assert abs(budget.recompute_s(1000) * 1e3 - expected) < 1e-6 * expected
+    assert budget.recompute_s(0) is None
 
 
 def test_histogram_is_cumulative() -> None:

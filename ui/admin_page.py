@@ -9,7 +9,7 @@ import pandas as pd
 
 from engine import CrowdchatError
 from engine.metrics import EngineStats
-from sessions import SessionManager
+from sessions import SessionManager, SessionStats
 from ui.monitor import Monitor, memory
 from ui.queue_polling import poll_less
 from ui.shared_prompts_section import build_shared_prompts
@@ -100,6 +100,15 @@ def replicas_table(monitor: Monitor) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=columns)
 
 
+def read_pace(st: SessionStats) -> str:
+    return "" if st.disk_read_mb_s is None else f" (read at {st.disk_read_mb_s:,.0f} MB/s)"
+
+
+def chosen(st: SessionStats) -> str:
+    """Recomputes that left a snapshot unread, where any did."""
+    return f" ({st.recomputes_chosen} faster than the disk)" if st.recomputes_chosen else ""
+
+
 def totals(monitor: Monitor, sessions: SessionManager, length: float) -> str:
     s = monitor.engine.stats()
     st = sessions.stats()
@@ -110,8 +119,9 @@ def totals(monitor: Monitor, sessions: SessionManager, length: float) -> str:
         *pool_lines(s, monitor, length),
         f"**Snapshots on disk** {st.snapshots} · {st.snapshot_bytes / MB:,.1f} MB "
         f"of {st.disk_budget_bytes / MB:,.0f} MB budget · host tier {st.host_bytes / MB:,.1f} MB",
-        f"**Restores** disk {st.restores['disk']} · host {st.restores['host']} · "
-        f"**recomputes** {st.recomputes} · **persists** {st.persists} "
+        f"**Restores** disk {st.restores['disk']}{read_pace(st)} · host "
+        f"{st.restores['host']} · **recomputes** {st.recomputes}{chosen(st)} · **persists** "
+        f"{st.persists} "
         f"(failed {st.persist_failures}) · **preemptions** {s.preemptions} · **rejections** "
         f"{s.requests_rejected} · **finished** {s.requests_finished} · **failed** "
         f"{s.requests_failed}",

@@ -17,6 +17,7 @@ def attention_work(plan: StepPlan) -> float:
 
 
 TARGET_MARGIN = 0.8
+FIT_EVERY = 16  # steps between the fits TokenBudget publishes to other threads
 
 
 class StepTimer:
@@ -67,6 +68,18 @@ class StepTimer:
         return int(max(self.floor, min(decodes + n, self.default_budget * 4)))
 
 
+def prefill_ms(fit: tuple[float, float, float], tokens: int, chunk: int) -> float:
+    """Milliseconds the fitted steps take to prefill `tokens` from nothing, `chunk` tokens a
+    step (a conversation recomputed: what its user waits before the first new token)."""
+    a, b, c = fit
+    ms, done = 0.0, 0
+    while done < tokens:
+        n = min(chunk, tokens - done)
+        ms += a + b * n + c * n * (done + n / 2)
+        done += n
+    return ms
+
+
 class TokenBudget:
     """The token budget of each step: `--max-num-batched-tokens`, or with `--target-itl-ms`
     what the step timer predicts keeps running users' inter-token latency under the target."""
@@ -75,6 +88,10 @@ class TokenBudget:
         self.fixed = max_num_batched_tokens
         self.timer = StepTimer(target_itl_ms, max_num_batched_tokens, MIN_PREFILL_CHUNK)
         self.last = max_num_batched_tokens  # for the admin page
+        # the step timer's fit, refreshed by the engine thread every FIT_EVERY steps and read
+        # from any thread (one tuple, replaced whole): what a recompute would cost
+        self.fitted: tuple[float, float, float] | None = None
+        self._since_fit = 0
 
     def next(self, scheduler: Scheduler) -> int:
         """The budget for the step the scheduler is about to plan."""
@@ -94,3 +111,16 @@ class TokenBudget:
     def record(self, plan: StepPlan, ms: float) -> None:
         """What the step that ran `plan` cost, so the next budget fits the target."""
         self.timer.record(plan.num_tokens, attention_work(plan), ms)
+        self._since_fit += 1
+        if self._since_fit >= FIT_EVERY:
+            self._since_fit = 0
+            self.fitted = self.timer.fit() or self.fitted
+
+    def recompute_s(self, tokens: int) -> float | None:
+        """Seconds a prefill of `tokens` from nothing would take at the pace of recent steps
+        (None until enough steps were timed). Any thread."""
+        fit = self.fitted
+        if fit is None or tokens <= 0:
+            return None
+        ms = prefill_ms(fit, tokens, self.fixed)
+        return ms / 1e3 if ms > 0 else None

@@ -29,6 +29,7 @@ from engine.core.output import OutputProcessor, Request
 from engine.core.scheduler import Scheduler
 from engine.errors import EngineStopped, InvalidRequest, ServerBusy
 from engine.handle import RequestHandle
+from engine.kv_file import ReadPace
 from engine.metrics import SERVED_TOP, EngineStats, Metrics, percentile
 from engine.model.kv_cache import KVCache, bytes_per_token, pool_blocks
 from engine.model.loader import LoadedModel, dtype_name, load_model
@@ -80,6 +81,7 @@ class Engine(ResidentKVCalls, EngineLoop, ConfigFacts):
         self.vocab_size = self.loaded.model.config.vocab_size
         self.metrics = Metrics()
         self.budget = TokenBudget(config.max_num_batched_tokens, config.target_itl_ms)
+        self.read_pace = ReadPace()
         self._lock = threading.Lock()  # guards _pending, _stopping, _failure and the inbox's end
         self._pending = 0  # submitted, not yet admitted or finished: the queue the cap limits
         self._stopping = False
@@ -256,6 +258,11 @@ class Engine(ResidentKVCalls, EngineLoop, ConfigFacts):
         requests were admitted lately (None before any was)."""
         rate = self.metrics.admission_rate(time.monotonic())
         return (ahead + 1) / rate if rate else None
+
+    def recompute_s(self, tokens: int) -> float | None:
+        """Seconds to prefill `tokens` of a conversation from nothing at the pace of recent
+        steps (None before enough were timed): the session layer weighs a disk read by it."""
+        return self.budget.recompute_s(tokens)
 
     def set_memory_pressure_hook(self, hook: Callable[[int, str | None], None] | None) -> None:
         """`hook(blocks_short, protected_owner)` runs on the engine thread when the pool is

@@ -6,12 +6,13 @@ through `_call`; a file's bytes are read on the caller's thread.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
 from engine.core.scheduler import Scheduler
 from engine.errors import InvalidRequest
-from engine.kv_file import KVExport, KVFile, read_kv_file
+from engine.kv_file import KVExport, KVFile, ReadPace, kv_file_bytes, read_kv_file
 from engine.model.kv_cache import KVCache
 
 T = TypeVar("T")
@@ -22,6 +23,7 @@ class ResidentKVCalls:
 
     scheduler: Scheduler
     cache: KVCache
+    read_pace: ReadPace  # snapshot reads, timed by import_kv_file
     _call: Callable  # engine.core.loop.EngineLoop._call
 
     def export_kv(self, owner: str) -> KVExport | None:
@@ -56,7 +58,9 @@ class ResidentKVCalls:
         if kv.shape != (layers, len(kv.token_ids), heads, dim):
             raise InvalidRequest(f"KV of shape {kv.shape} does not fit this model")
         if not self.cache.reads_files(kv):  # read here, copied into the pool by the engine
+            t0 = time.perf_counter()
             k, v = read_kv_file(kv)
+            self.read_pace.add(kv_file_bytes(kv), time.perf_counter() - t0)
             return self.import_kv(owner, KVExport(kv.token_ids, k, v), cache_ns, shareable_prefix)
         sched = self.scheduler
         reclaim = lambda need: sched.reclaim(need, keep_owner=owner)  # noqa: E731
@@ -69,11 +73,18 @@ class ResidentKVCalls:
             return False
         loaded = False
         try:
+            t0 = time.perf_counter()
             self.cache.load_file(res.block_table, kv, res.start)
+            self.read_pace.add(kv_file_bytes(kv), time.perf_counter() - t0)
             loaded = True
         finally:
             resident = self._call(lambda: sched.resident.finish(res, loaded))
         return resident
+
+    def read_s(self, nbytes: int) -> float | None:
+        """Seconds reading `nbytes` of snapshot into the pool takes at the pace measured so
+        far (None before the first read)."""
+        return self.read_pace.seconds(nbytes)
 
     def drop_kv(self, owner: str) -> bool:
         """Free an owner's resident KV; True if it had any."""

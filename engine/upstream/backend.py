@@ -184,6 +184,12 @@ class UpstreamBackend(UpstreamLoop, ConfigFacts):
     def wait_estimate(self, ahead: int) -> float | None:
         return None
 
+    def recompute_s(self, tokens: int) -> float | None:
+        return None  # the upstream keeps its own KV: nothing to weigh here
+
+    def read_s(self, nbytes: int) -> float | None:
+        return None
+
     def drain(self, replica: str, draining: bool = True) -> None:
         self.router.drain(replica, draining)
 
