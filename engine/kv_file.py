@@ -112,7 +112,3 @@ class ReadPace:
         """Seconds a read of `nbytes` takes at this pace (None before the first read)."""
         pace = self.s_per_byte
         return None if pace is None else pace * nbytes
-
-    def mb_s(self) -> float | None:
-        pace = self.s_per_byte
-        return None if not pace else 1 / pace / 1e6
