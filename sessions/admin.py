@@ -85,8 +85,9 @@ def session_facts(
 
 
 def read_mb_s(engine: Backend) -> float | None:
-    """The pace snapshots were read into the pool at, MB/s (None before the first read)."""
-    second = engine.read_s(10**6)
+    """The pace snapshots were read into the pool at, MB (2^20 bytes) a second (None before
+    the first read)."""
+    second = engine.read_s(2**20)
     return 1 / second if second else None
 
 
