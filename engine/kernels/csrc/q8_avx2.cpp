@@ -121,6 +121,16 @@ inline __m256i quad(const int8_t* x) {
   return _mm256_set1_epi32(v);
 }
 
+// One 32-byte load of a block's group (`pack_for_avx2`): the 8 columns' next 4 values of K
+// (low nibbles, [0]) and the 4 after them (high nibbles, [1]) as unsigned bytes
+struct Nibbles {
+  __m256i w[2];
+};
+inline Nibbles nibbles(const uint8_t* p, __m256i low) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {{_mm256_and_si256(b, low), _mm256_and_si256(_mm256_srli_epi16(b, 4), low)}};
+}
+
 // 8 lanes += the sums of 4 products of unsigned bytes `u` with signed bytes `s`, exact:
 // `vpmaddubsw` (pairs, |sum| <= 2 * 255 * 127 < 2^15) then `vpmaddwd` with ones
 inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
@@ -152,26 +162,21 @@ void q4_tile(const uint8_t* pw, const uint16_t* psz, const Int8Rows& x, int64_t 
     {  // the group's first 8 values of K start the sums (no zeroed sums to add to: on a
        // 2-core Zen 3, 30 layers' 4-bit linears at 8 / 32 / 64 rows 6.8-6.9 / 23.3-23.6 /
        // 45.4-46.1 ms against 7.7-8.1 / 25.2-28.1 / 49.1-49.3)
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + g * 128));
-      const __m256i w0 = _mm256_and_si256(b, low);
-      const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+      const Nibbles first = nibbles(pw + g * 128, low);
       for (int r = 0; r < R; ++r)
-        pairs[r] = _mm256_add_epi16(_mm256_maddubs_epi16(w0, quad(xg + r * k)),
-                                    _mm256_maddubs_epi16(w1, quad(xg + r * k + 4)));
+        pairs[r] = _mm256_add_epi16(_mm256_maddubs_epi16(first.w[0], quad(xg + r * k)),
+                                    _mm256_maddubs_epi16(first.w[1], quad(xg + r * k + 4)));
     }
     // not unrolled: unrolled, GCC hoisted every broadcast of x ahead and spilled the products
     // to the stack (on a 2-core Zen 3, 30 layers' 4-bit linears at 8 / 32 / 64 rows 7.2-7.3 /
     // 25.0-25.2 / 48.7-49.2 ms against 8.4-8.6 / 29.1-29.4 / 56.8; one row the same)
 #pragma GCC unroll 1
     for (int p = 1; p < 4; ++p) {  // 8 values of K: one load, two masks
-      const __m256i b =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pw + g * 128 + p * 32));
-      const __m256i w[2] = {_mm256_and_si256(b, low),
-                            _mm256_and_si256(_mm256_srli_epi16(b, 4), low)};
+      const Nibbles next = nibbles(pw + g * 128 + p * 32, low);
       for (int h = 0; h < 2; ++h)
         for (int r = 0; r < R; ++r)
-          pairs[r] = _mm256_add_epi16(pairs[r],
-                                      _mm256_maddubs_epi16(w[h], quad(xg + r * k + 8 * p + 4 * h)));
+          pairs[r] = _mm256_add_epi16(
+              pairs[r], _mm256_maddubs_epi16(next.w[h], quad(xg + r * k + 8 * p + 4 * h)));
     }
     const __m256 scale = widen(psz + g * 16), zero = widen(psz + g * 16 + 8);
     const __m256 offset = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), scale, zero);  // 8 scale exact
