@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from sessions.kv_writer import kv_bytes
 from sessions.offload import PROBE_EVERY, RECOMPUTE_COST
 from sessions.persist_retry import PersistRetry, RetryPolicy
 from tests.offload_rig import FP, Rig, fake_kv, wait_for
@@ -141,8 +142,7 @@ def test_a_snapshot_slower_to_read_than_to_recompute_stays_unread(rig: Rig) -> N
     a snapshot left unread stays on disk, and every PROBE_EVERY-th choice reads anyway so the
     disk's pace stays measured."""
     sid = rig.session("s", tokens=40)
-    kv = rig.engine.resident[sid]
-    nbytes = kv.k.numel() * kv.k.element_size() * 2  # what a read of its snapshot moves
+    nbytes = kv_bytes(rig.engine.resident[sid])  # what a read of its snapshot moves
     for recompute, read in ((None, 1.0), (1e-3, None), (1.0, 1.0)):  # unknown, or disk faster
         assert rig.off.persist(sid) and sid not in rig.engine.resident
         rig.engine.recompute_s_per_token = recompute
