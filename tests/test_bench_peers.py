@@ -7,10 +7,12 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from bench import peers
 from bench.machine import machine
 from bench.peers import run_server, sdist_url, summarize
+from bench.server import Server
 from bench.stream_client import ReplyCount
 from bench.vllm_cpu import add_vllm_dtype, best_vllm_dtype
 
@@ -92,6 +94,15 @@ def test_the_machine_names_the_first_cpu_and_whether_it_has_avx512_bf16():
     assert machine(info)["vector_extensions"] == ["avx512f", "avx512_bf16"]
     epyc = machine("model name: EPYC\nflags: sse fma avx avx2\n")
     assert epyc["avx512_bf16"] is False and epyc["vector_extensions"] == ["avx", "avx2", "fma"]
+
+
+def test_a_bench_server_that_exits_while_starting_fails_at_once_saying_why(tmp_path):
+    """bench/server.py's crowdchat died at start (here: no such model) and the bench waited
+    out its whole start-up deadline (300 s), then said only that it did not start."""
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit, match="model path not found: .*no-such-model"):
+        Server(None, ["--ui", "off", "--model", str(tmp_path / "no-such-model")])
+    assert time.monotonic() - t0 < 120
 
 
 def test_vllm_runs_in_its_fastest_dtype_for_the_cpu_unless_told():
