@@ -17,10 +17,13 @@ from ui.auth import hash_password
 def test_admin_login_and_memory_figures(browser: Browser, server: tuple) -> None:
     url, _, _ = server
     ARTIFACTS.mkdir(exist_ok=True)
-    context, page = open_page(browser, url + "/admin/", ADMIN_VIEW)
+    context, page = open_page(browser, url + "/admin", ADMIN_VIEW)  # as the server prints it
     log_in(page, "admin", "wrong password")
     expect(page.get_by_text("Incorrect credentials")).to_be_visible(timeout=10_000)
-    log_in(page, "admin", ADMIN_PASSWORD)  # the form is reset after a failed login
+    expect(page.get_by_label("username")).to_have_value("admin")  # kept; the password is not
+    expect(page.get_by_label("password")).to_have_value("")
+    page.get_by_label("password").fill(ADMIN_PASSWORD)
+    page.get_by_role("button", name="Login").click()
     expect(page.locator("#memory")).to_contain_text("Device memory", timeout=20_000)
     expect(page.locator("#memory")).to_contain_text("KV used")
     expect(page.locator("#totals")).to_contain_text("KV pool")

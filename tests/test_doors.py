@@ -22,6 +22,7 @@ from engine.errors import InvalidRequest
 from engine.model.loader import LoadedModel
 from tests.web import ADMIN_PASSWORD, bearer, running_server
 from ui import auth
+from ui.pages import gradio_app
 
 PASSWORD = "s3cret-pass"
 METRICS_TOKEN = "metrics-token-0123456789"
@@ -254,7 +255,7 @@ def test_admin_password_login_ends_and_is_throttled_too(
     with running_server(nf4_model, tmp_path, apps=apps, login_failures_per_name=2) as (url, _, _):
         with signed_in(url + "/admin", "admin", ADMIN_PASSWORD) as admin:
             assert admin.get("/config").status_code == 200
-            admin_app = next(r.app for r in apps[0].routes if getattr(r, "path", "") == "/admin")
+            admin_app = gradio_app(apps[0], "/admin")
             admin_app.tokens.clock = lambda: time.monotonic() + 24 * 3600 + 1
             assert admin.get("/config").status_code == 401  # a day later: sign in again
         with httpx.Client(base_url=url, timeout=60) as http:

@@ -17,6 +17,7 @@ from doors.identity import identity_of
 from doors.sign_ins import SignIns
 from engine import Backend
 from sessions import SessionManager
+from ui.admin_door import SignInForm, add_admin_redirect
 from ui.admin_page import build_admin_blocks
 from ui.auth import admin_checker, users_checker
 from ui.chat_blocks import build_chat_blocks
@@ -57,6 +58,8 @@ def mount_pages(
     admin_look = {"css_paths": css, "theme": "soft", "show_error": False}
     if users is not None and admin_password:
         log.warning("the admin password is ignored with --auth: /admin is for admin users")
+    if users is not None or admin_password:
+        add_admin_redirect(app)  # /admin, as the server prints it, before the chat's mount
     if users is not None:  # admins are users with the admin role, signed in on the chat page
         app = gr.mount_gradio_app(
             app,
@@ -74,6 +77,8 @@ def mount_pages(
             auth_message="crowdchat admin: user 'admin'",
             **admin_look,
         )
+        admin_app = gradio_app(app, "/admin")
+        admin_app.add_middleware(SignInForm, gradio=admin_app)  # keeps the name on a refusal
     else:
 
         @app.get("/admin")
