@@ -258,3 +258,30 @@ def test_a_kernel_target_that_is_no_gcc_name_is_refused(monkeypatch: pytest.Monk
     monkeypatch.setenv(cpu_kernels.SANITIZE_VARIABLE, "yes")
     with pytest.raises(ValueError, match="use 1"):
         cpu_kernels.flags()
+
+
+def test_a_failed_build_is_tried_once_not_in_every_process(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A build that fails (no compiler, here a stand-in that raises) is remembered in its
+    build directory: a later process (a fresh `_loaded`) does not try it again, ~1 minute
+    each on 2 cores; `python engine/kernels/cpu_kernels.py` does."""
+    from torch.utils import cpp_extension
+
+    tries: list[int] = []
+
+    def failing(**_: object) -> None:
+        tries.append(1)
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a build key with nothing built
+    monkeypatch.setattr(cpp_extension, "load", failing)
+    for _ in range(2):  # two processes, as far as the module knows
+        monkeypatch.setattr(cpu_kernels, "_loaded", [])
+        assert cpu_kernels.load() is False
+    assert tries == [1]
+    assert "no compiler here" in (cpu_kernels.build_dir() / cpu_kernels.FAILED).read_text()
+    monkeypatch.setattr(cpu_kernels, "_loaded", [])
+    with pytest.raises(SystemExit):  # asked for by hand: tried again
+        cpu_kernels.main()
+    assert tries == [1, 1]

@@ -66,6 +66,7 @@ throw and aborts on the first TORCH_CHECK that fails):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -82,6 +83,7 @@ log = logging.getLogger(__name__)
 SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
 HEADERS = sorted(Path(__file__).with_name("csrc").glob("*.h"))
 NAME = "crowdchat_cpu_kernels"
+FAILED = "build-failed.txt"  # in the build's directory: why it failed (`_failed_before`)
 ARCH_VARIABLE, TUNE_VARIABLE = "CROWDCHAT_KERNEL_ARCH", "CROWDCHAT_KERNEL_TUNE"
 SANITIZE_VARIABLE = "CROWDCHAT_KERNEL_SANITIZE"
 AMX_VARIABLE = "CROWDCHAT_KERNEL_AMX"
@@ -206,11 +208,30 @@ def q4_linear() -> Kernel | None:
     return torch.ops.crowdchat.q4_linear if load() else None
 
 
+def _failed_before(where: Path) -> str | None:
+    """Why this build failed in an earlier process (None if it did not): a failed build
+    (no compiler, no ninja, an error) is tried once per build key, not in every process (a
+    try costs ~1 minute on 2 cores); `python engine/kernels/cpu_kernels.py` tries again."""
+    try:
+        return (where / FAILED).read_text(errors="replace").strip() or "unknown"
+    except OSError:
+        return None
+
+
 def _build() -> bool:
     from torch.utils import cpp_extension
 
     where = build_dir()
     built = where / f"{NAME}.so"
+    failed = None if built.exists() else _failed_before(where)
+    if failed is not None:
+        log.warning(
+            "crowdchat's CPU kernels unavailable (their build failed before: %s; "
+            "`python engine/kernels/cpu_kernels.py` tries again): decode attention gathers, "
+            "4-bit weights run on PyTorch's int4 kernel",
+            failed,
+        )
+        return False
     try:
         if sanitized() and "libasan" not in os.environ.get("LD_PRELOAD", ""):
             # loading it otherwise aborts the process ("ASan runtime does not come first")
@@ -229,6 +250,10 @@ def _build() -> bool:
             )
         torch.ops.crowdchat.set_amx(amx_wanted())
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: gather
+        if not built.exists():  # remembered for later processes (not a load of a good build)
+            with contextlib.suppress(OSError):
+                where.mkdir(parents=True, exist_ok=True)
+                (where / FAILED).write_text(f"{type(e).__name__}: {e}"[:2000])
         log.warning(
             "crowdchat's CPU kernels unavailable (%s): decode attention gathers, 4-bit weights "
             "run on PyTorch's int4 kernel",
@@ -241,6 +266,7 @@ def _build() -> bool:
 def main() -> None:
     """`python engine/kernels/cpu_kernels.py`: build the kernels now (`make kernel` does)."""
     logging.basicConfig(level=logging.INFO)
+    (build_dir() / FAILED).unlink(missing_ok=True)  # asked for: try a failed build again
     if not load():
         raise SystemExit("crowdchat's CPU kernels could not be built (see above)")
     print(f"crowdchat's CPU kernels: {build_dir()}")
