@@ -101,6 +101,12 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="skip transformers' generate baselines (bench/gpu_check.sh runs them in a step of "
+        "their own, last)",
+    )
+    ap.add_argument(
         "--sequential-requests",
         type=int,
         default=4,
@@ -123,18 +129,26 @@ def main() -> None:
         return float(np.mean(seq_tps)), run_generate(loaded, prompts[:32], args.new_tokens)
 
     # Same thread treatment as the engine: torch runs on a thread of its own (engine.threads).
-    sequential, static = run_in_fresh_thread(baselines)
-    print(json.dumps({"baseline": "sequential_generate", "tokens_per_s": round(sequential, 2)}))
-    print(json.dumps({"baseline": "static_batch_32_generate", "tokens_per_s": round(static, 2)}))
+    sequential, static = (None, None) if args.no_baselines else run_in_fresh_thread(baselines)
+    if sequential is not None and static is not None:
+        for name, tps in (("sequential", sequential), ("static_batch_32", static)):
+            print(json.dumps({"baseline": f"{name}_generate", "tokens_per_s": round(tps, 2)}))
 
+    t0 = time.perf_counter()
     engine = Engine(config, loaded)
-    graph_mb = round(engine.stats().graph_bytes / 2**20, 1)  # 0: every step eager
+    stats = engine.stats()
+    graphs = {  # in every row: whether the figures are graph replays or eager steps
+        "cuda_graphs_captured": stats.cuda_graphs,
+        "cuda_graphs_mb": round(stats.graph_bytes / 2**20, 1),
+        **({"cuda_graph_error": stats.cuda_graph_error} if stats.cuda_graph_error else {}),
+    }
+    engine_start_s = round(time.perf_counter() - t0, 2)  # the pool, and capture on CUDA
     try:
         run_engine(engine, prompts[:4], 8)  # warm-up
         points = {}
         for n in users:
             points[n] = run_engine(engine, prompts[:n], args.new_tokens)
-            print(json.dumps({"engine": True, **points[n]}))
+            print(json.dumps({"engine": True, **points[n], **graphs}))
     finally:
         engine.shutdown()
     top = points[max(users)]
@@ -149,16 +163,21 @@ def main() -> None:
         "weights": "random" if is_random(config.model) else "real",
         "quant": config.quant,
         "dtype": dtype_name(loaded.dtype),
+        **({"cuda_attention": loaded.cuda_attention} if loaded.device.type == "cuda" else {}),
+        **graphs,
+        "engine_start_s": engine_start_s,
+        "max_model_len": stats.max_model_len,
+        **{f"users_{n}_tokens_per_s": p["tokens_per_s"] for n, p in points.items()},
         **(
-            {"cuda_attention": loaded.cuda_attention, "cuda_graphs_mb": graph_mb}
-            if loaded.device.type == "cuda"
+            {
+                "sequential_tokens_per_s": round(sequential, 2),
+                "static_batch_32_tokens_per_s": round(static, 2),
+                "ratio_vs_sequential": round(top["tokens_per_s"] / sequential, 2),
+                "ratio_vs_static_batch": round(top["tokens_per_s"] / static, 3),
+            }
+            if sequential is not None and static is not None
             else {}
         ),
-        **{f"users_{n}_tokens_per_s": p["tokens_per_s"] for n, p in points.items()},
-        "sequential_tokens_per_s": round(sequential, 2),
-        "static_batch_32_tokens_per_s": round(static, 2),
-        "ratio_vs_sequential": round(top["tokens_per_s"] / sequential, 2),
-        "ratio_vs_static_batch": round(top["tokens_per_s"] / static, 3),
         f"users_{max(users)}_ttft_p50_s": top["ttft_p50_s"],
         f"users_{max(users)}_itl_p50_s": top["itl_p50_s"],
     }

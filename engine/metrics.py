@@ -101,6 +101,8 @@ class EngineStats:
     failure: str | None = None  # why the engine thread died
     replicas: tuple[ReplicaStats, ...] = ()  # upstream backends only: one row per replica
     graph_bytes: int = 0  # device memory the captured CUDA graphs keep (engine.model.static_decode)
+    cuda_graphs: int = 0  # decode buckets captured as CUDA graphs (0: every step eager)
+    cuda_graph_error: str | None = None  # why capture failed, where it did (then eager)
 
 
 def percentile(samples: deque[float], q: float) -> float | None:

@@ -139,7 +139,7 @@ def fake_engine(
     )  # type: ignore[arg-type]
     made: list[FakeRunner] = []
 
-    def factory(loaded: LoadedModel, cache: KVCache) -> FakeRunner:
+    def factory(loaded: LoadedModel, cache: KVCache, max_model_len: int) -> FakeRunner:
         made.append(FakeRunner(loaded, cache, step_s_per_token))
         return made[0]
 

@@ -154,8 +154,8 @@ def test_bad_requests_get_clear_errors_while_others_continue(
 class ExplodingOnce:
     """The real model runner, except that its first step raises."""
 
-    def __init__(self, loaded: LoadedModel, cache: object) -> None:
-        self.inner = ModelRunner(loaded, cache)  # type: ignore[arg-type]
+    def __init__(self, loaded: LoadedModel, cache: object, max_model_len: int) -> None:
+        self.inner = ModelRunner(loaded, cache, max_model_len)  # type: ignore[arg-type]
         self.stop_ids = self.inner.stop_ids
         self.calls = 0
 

@@ -14,10 +14,10 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.chat_format import ChatFormatter
-from engine.kernels import triton_attention
+from engine.kernels import cpu_kernels, triton_attention
 from engine.model.loader import LoadedModel, decode_buckets, graph_buckets, load_model
 from engine.model.plan import StepPlan
-from engine.model.static_decode import StaticDecode
+from engine.model.static_decode import MIN_SPLIT_TOKENS, StaticDecode, split_tokens
 from engine.sequence import Sequence
 from tests.model_zoo import build
 from tests.rig import make_engine
@@ -152,6 +152,8 @@ def test_a_failed_capture_leaves_every_step_eager(
     try:
         assert runner.static is None and runner.graph_bytes == 0
         assert any("every step runs eager" in r.getMessage() for r in caplog.records)
+        stats = engine.stats()  # and said where figures are read: no silent fallback
+        assert stats.cuda_graphs == 0 and stats.cuda_graph_error
         assert engine.generate([ids], params) == want
     finally:
         engine.check_integrity()
@@ -192,3 +194,53 @@ def test_rope_and_the_kv_write_fused_give_the_same_step_bitwise(
     for logits, pool in results[1:]:
         assert torch.equal(logits, results[0][0]) and torch.equal(pool, results[0][1])
     assert not torch.equal(results[0][1], before)  # the step wrote its K/V
+
+
+def test_the_static_tables_are_as_wide_as_max_model_len_not_the_models_positions(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """The static step's block table has the columns of --max-model-len's blocks (the model
+    takes 1,024 positions: 64 columns of 16), and each bucket its own split: a row alone
+    spreads its context over more programs than a full bucket does."""
+    wide = engine_for(tiny, tmp_path)
+    narrow = engine_for(tiny, tmp_path, max_model_len=100)
+    try:
+        assert narrow.max_model_len == 100 and wide.max_model_len == 1024
+        static = narrow.runner.static  # type: ignore[attr-defined]
+        assert static.width == 7  # ceil(100 / 16)
+        assert static.table.shape == (4, 7)
+        assert wide.runner.static.width == 64  # type: ignore[attr-defined]
+        splits = wide.runner.static.split_tokens  # type: ignore[attr-defined]
+        assert splits[1] <= splits[4] and all(t % 16 == 0 for t in splits.values())
+        # a reply still decodes in the narrow tables, up to the length cap
+        fmt = ChatFormatter(tiny.tokenizer)
+        ids = fmt.encode([{"role": "user", "content": "Hi!"}])
+        params = SamplingParams(temperature=0, max_new_tokens=200)
+        (got,) = narrow.generate([ids], params)
+        assert len(ids) + len(got) == 100
+    finally:
+        narrow.shutdown()
+        wide.shutdown()
+
+
+def test_the_split_size_follows_the_bucket_and_the_width() -> None:
+    """One row of 8 KV heads over 8,192 tokens: 64 splits of 128; 32 rows: 4 of 2,048; a
+    narrow table: splits of no fewer than MIN_SPLIT_TOKENS; always whole blocks."""
+    assert split_tokens(8192, 1, 8, 16) == 128
+    assert split_tokens(8192, 32, 8, 16) == 2048
+    assert split_tokens(100, 64, 3, 16) == MIN_SPLIT_TOKENS  # not 6 splits of 17 tokens
+    assert split_tokens(8192, 2, 3, 16) == MIN_SPLIT_TOKENS * 2  # 64 splits, capped
+    assert split_tokens(1000, 1, 1, 48) % 48 == 0
+
+
+def test_no_cpu_kernel_probe_where_they_do_not_attend(
+    tiny: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where Triton attends (the CUDA path), the runner asks nothing of crowdchat's CPU
+    kernels' build: on a GPU machine that probe built them (-march=native, ~1 minute)."""
+    probed: list[str] = []
+    monkeypatch.setattr(cpu_kernels, "q4_dot_layout", lambda: probed.append("q4") or False)
+    engine = engine_for(tiny, tmp_path)
+    engine.shutdown()
+    assert engine.runner.static is not None  # type: ignore[attr-defined]
+    assert probed == []

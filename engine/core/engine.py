@@ -74,10 +74,11 @@ class Engine(ResidentKVCalls, EngineLoop, ConfigFacts):
         self.scheduler = Scheduler(
             self.pool, config.max_num_seqs, policy=make_policy(config.schedule)
         )
-        self.runner = runner(self.loaded, self.cache)
+        # before the runner: its static decode's tables are this wide (engine.model.static_decode)
         self.max_model_len = min(
             config.max_model_len or self.loaded.max_position, num_blocks * config.block_size
         )
+        self.runner = runner(self.loaded, self.cache, self.max_model_len)
         self.vocab_size = self.loaded.model.config.vocab_size
         self.metrics = Metrics()
         self.budget = TokenBudget(config.max_num_batched_tokens, config.target_itl_ms)
@@ -242,6 +243,8 @@ class Engine(ResidentKVCalls, EngineLoop, ConfigFacts):
                 alive=self.alive,
                 failure=self.failure,
                 graph_bytes=getattr(self.runner, "graph_bytes", 0),
+                cuda_graphs=getattr(self.runner, "graphs_captured", 0),
+                cuda_graph_error=getattr(self.runner, "graph_error", None),
             )
 
     def queue_position(self, handle: RequestHandle) -> int | None:

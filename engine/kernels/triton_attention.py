@@ -98,10 +98,13 @@ if available():
                 acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
                 total = total * alpha + tl.sum(p, axis=1)
                 m = m_new
+        # a split past the row's end (and every split of a padded row) writes nothing: the
+        # merge reads only the splits that hold tokens
         out = (row * GROUP * tl.num_programs(1) + heads) * splits + split
-        tl.store(m_ptr + out, m, mask=hmask)
-        tl.store(l_ptr + out, total, mask=hmask)
-        tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=hmask[:, None] & dmask[None, :])
+        used = hmask & (g * 0 + split * SPLIT_BLOCKS * BLOCK < length)  # [GROUP_PAD]
+        tl.store(m_ptr + out, m, mask=used)
+        tl.store(l_ptr + out, total, mask=used)
+        tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=used[:, None] & dmask[None, :])
 
     @triton.jit
     def _merge_kernel(
@@ -109,16 +112,20 @@ if available():
         l_ptr,
         acc_ptr,  # [B, H, S, D]
         out_ptr,  # [B, H, D] float32
+        lens_ptr,  # [B] int64
         splits,
+        SPLIT: tl.constexpr,  # tokens a split
         D: tl.constexpr,
         D_PAD: tl.constexpr,
         S_PAD: tl.constexpr,
     ):
-        """One row's one query head: its splits' partial results weighed by exp(max - the
-        top max) and normalized; splits that saw no token weigh 0, a row with none gives 0."""
+        """One row's one query head: the partial results of its splits that hold tokens (the
+        others were never written) weighed by exp(max - the top max) and normalized; a row
+        with no token gives 0."""
         item = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        length = tl.load(lens_ptr + tl.program_id(0))
         s = tl.arange(0, S_PAD)
-        smask = s < splits
+        smask = (s < splits) & (s * SPLIT < length)
         m = tl.load(m_ptr + item * splits + s, mask=smask, other=float("-inf"))
         total = tl.load(l_ptr + item * splits + s, mask=smask, other=0.0)
         seen = total > 0
@@ -190,8 +197,8 @@ def paged_decode_attention(
     )
     out = q.new_empty(b, h, d, dtype=out_dtype)
     _merge_kernel[(b, h)](
-        m, total, acc, out, splits, D=d, D_PAD=triton.next_power_of_2(d),
-        S_PAD=triton.next_power_of_2(splits),
+        m, total, acc, out, context_lens, splits, SPLIT=split_blocks * block_size, D=d,
+        D_PAD=triton.next_power_of_2(d), S_PAD=triton.next_power_of_2(splits),
     )  # fmt: skip
     return out
 

@@ -35,7 +35,9 @@ class StepRunner(Protocol):
         ...
 
 
-RunnerFactory = Callable[[LoadedModel, KVCache], StepRunner]
+# (the model, its KV pool, the longest context the engine admits: --max-model-len, at most
+# the pool) -> the step runner
+RunnerFactory = Callable[[LoadedModel, KVCache, int], StepRunner]
 
 # A decode group may pad its shorter contexts up to 25% beyond their own tokens; below
 # MIN_SPLIT_WASTE padded tokens one more group (a few small ops per layer) costs more than the
@@ -124,7 +126,7 @@ def prefill_group(chunks: list[tuple[int, int, int, list[int]]], dev: torch.devi
 class ModelRunner:
     """Builds a step's inputs from the plan, runs the model once, samples next tokens."""
 
-    def __init__(self, loaded: LoadedModel, cache: KVCache) -> None:
+    def __init__(self, loaded: LoadedModel, cache: KVCache, max_model_len: int) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -155,6 +157,7 @@ class ModelRunner:
         # CUDA with the Triton kernel: steps of decodes on persistent buffers, one captured
         # graph per batch bucket (engine.model.static_decode); the CPU runs them eagerly (tests)
         self.static: StaticDecode | None = None
+        self.graph_error: str | None = None  # why capture failed, where it did
         if (
             loaded.decode_buckets
             and loaded.cuda_attention == "triton"
@@ -162,7 +165,7 @@ class ModelRunner:
             and cache.scratch_block is not None
         ):
             self.static = StaticDecode(
-                self.lean, cache, loaded.decode_buckets, loaded.max_position, self.rope_store
+                self.lean, cache, loaded.decode_buckets, max_model_len, self.rope_store
             )
             if self.device.type == "cuda":
                 self._capture()
@@ -178,7 +181,9 @@ class ModelRunner:
         self._team = 0  # the engine thread's OpenMP threads for this step: 1 or all of them
         self._all_threads = 0  # its own default, read on that thread at its first step
         # rows up to which a step with prompt tokens runs alone where decodes split columns
-        vnni = self.decode_kernel is not None and cpu_kernels.q4_dot_layout()
+        # (a probe of crowdchat's CPU kernels, only where they attend: on CUDA it would build
+        # them, ~1 minute with `-march=native`, for nothing)
+        vnni = self.prefills_kernel is not None and cpu_kernels.q4_dot_layout()
         self._prompt_serial_rows = PROMPT_SERIAL_ROWS if vnni else SERIAL_ROWS
 
     def _metadata(self, plan: StepPlan) -> tuple[StepMetadata, list[int], list[int], list[int]]:
@@ -285,6 +290,7 @@ class ModelRunner:
             self.static.capture()
         except Exception as e:  # noqa: BLE001 - any capture failure leaves the eager path
             log.warning("CUDA graph capture failed, every step runs eager: %s", e)
+            self.graph_error = f"{type(e).__name__}: {e}"[:300]  # in stats(): not silent
             self.static = None
             torch.cuda.empty_cache()
 
@@ -292,6 +298,11 @@ class ModelRunner:
     def graph_bytes(self) -> int:
         """Device memory the captured CUDA graphs keep (0 without)."""
         return self.static.graph_bytes if self.static is not None else 0
+
+    @property
+    def graphs_captured(self) -> int:
+        """How many decode buckets replay as CUDA graphs (0: every step eager)."""
+        return len(self.static.graphs) if self.static is not None else 0
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:

@@ -39,10 +39,23 @@ from engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 FIELDS = 4  # per row before its table: token id, position, slot, context length
-# most programs one row's KV head is split over: past SPLIT_TOKENS x this many tokens of width
-# a program takes more tokens, so the splits' partial sums ([rows, heads, splits, D] float32)
-# stay small for long-context models (128k tokens: 4,096 a program)
-MAX_SPLITS = 32
+# A bucket's decode attention is cut into about this many (row, KV head, split) programs: a
+# few per SM of an H100 (132) or H200, so one row alone still spreads its context over the
+# GPU, while a full bucket takes few long splits and its partial sums ([rows, heads, splits,
+# D] float32, written only for splits that hold tokens) stay small: 8B shape at
+# --max-model-len 8,192, 32 rows, 4 splits of 2,048 tokens: 2 MB a layer, where one split
+# size for every bucket from the model's 131,072 positions made 32 MB.
+TARGET_PROGRAMS = 1024
+MAX_SPLITS = 64  # at most this many splits a row's KV head (a row alone: 128 tokens each at 8k)
+MIN_SPLIT_TOKENS = 64  # shorter splits cost more in merging than they spread
+
+
+def split_tokens(width_tokens: int, rows: int, kv_heads: int, block_size: int) -> int:
+    """Context tokens a program of a `rows`-row bucket takes, for tables `width_tokens` wide:
+    enough splits for about `TARGET_PROGRAMS` programs, a whole number of blocks each."""
+    splits = min(MAX_SPLITS, max(1, -(-TARGET_PROGRAMS // (rows * kv_heads))))
+    split = max(MIN_SPLIT_TOKENS, -(-width_tokens // splits))
+    return -(-split // block_size) * block_size
 
 
 class StaticDecode:
@@ -53,7 +66,7 @@ class StaticDecode:
         lean: LeanLlama,
         cache: KVCache,
         sizes: tuple[int, ...],
-        max_position: int,
+        max_model_len: int,
         rope_store: Kernel | None = None,
     ) -> None:
         assert sizes and cache.scratch_block is not None
@@ -61,12 +74,15 @@ class StaticDecode:
         self.device = cache.data.device
         bs = cache.block_size
         self.block_size = bs
-        # table columns: the longest context's blocks (no sequence outgrows the pool)
-        self.width = -(-min(max_position, cache.num_blocks * bs) // bs)
-        split = max(triton_attention.SPLIT_TOKENS, -(-self.width * bs // MAX_SPLITS))
-        self.attend = functools.partial(
-            triton_attention.paged_decode_attention, split_tokens=-(-split // bs) * bs
-        )
+        # table columns: the blocks of the longest context the engine admits (--max-model-len,
+        # at most the pool), not the model's positions (131,072 for Llama 3: 8,192 columns)
+        self.width = -(-min(max_model_len, cache.num_blocks * bs) // bs)
+        heads = cache.k[0].shape[0]  # KV heads
+        self.split_tokens = {b: split_tokens(self.width * bs, b, heads, bs) for b in sizes}
+        self.attend = {
+            b: functools.partial(triton_attention.paged_decode_attention, split_tokens=t)
+            for b, t in self.split_tokens.items()
+        }
         rows = sizes[-1]
         self.max_rows = rows
         self.scratch_slot = cache.scratch_block * bs
@@ -131,7 +147,7 @@ class StaticDecode:
             slot_mapping=self.slots[:b],
             decode_groups=[DecodeGroup(0, b, self.table[:b], None, lens=self.lens[:b])],
             prefills=[],
-            decode_kernel=self.attend,
+            decode_kernel=self.attend[b],
             rope_store=self.rope_store,
         )
         ids = self.ids[:b].view(1, b)
