@@ -5,8 +5,12 @@ link is --share-links (the door admits a public link's reader without a sign-in)
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
 from datetime import UTC, datetime
+from functools import cache
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Request
@@ -19,43 +23,53 @@ from fastapi.responses import (
 )
 from starlette.concurrency import run_in_threadpool
 
+from api.markdown_html import markdown_html
 from doors.identity import identity_of
 from engine import CrowdchatError
 from sessions import SessionManager, SessionNotFound
 from sessions.shares import GONE
 
 SPEAKERS = {"user": "User", "assistant": "Assistant"}
-STYLE = """
-body { font: 16px/1.5 system-ui, sans-serif; max-width: 46rem; margin: 2rem auto; padding: 0 1rem;
-       color: #1f2937; }
-header p { color: #6b7280; margin-top: 0; }
-.message { border-radius: 0.75rem; padding: 0.75rem 1rem; margin: 0.75rem 0;
-           white-space: pre-wrap; }
-.user { background: #eef2ff; margin-left: 3rem; }
-.assistant { background: #f9fafb; border: 1px solid #e5e7eb; margin-right: 3rem; }
-.speaker { font-size: 0.8rem; color: #6b7280; display: block; margin-bottom: 0.25rem; }
-button { font: inherit; padding: 0.5rem 1rem; border-radius: 0.5rem; border: 0;
-         background: #6366f1; color: white; cursor: pointer; }
-"""
+STATIC = Path(__file__).resolve().parent.parent / "static"
+
+
+@cache
+def page_assets() -> tuple[str, str, str]:
+    """The page's stylesheet and script (static/share.*, inlined) and the Content-Security-
+    Policy that allows those two and nothing else: no other script, style, frame or request
+    to elsewhere, whatever a message holds."""
+    css = (STATIC / "share.css").read_text(encoding="utf-8")
+    js = (STATIC / "share.js").read_text(encoding="utf-8")
+
+    def digest(text: str) -> str:
+        return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+    policy = (
+        f"default-src 'none'; style-src {digest(css)}; script-src {digest(js)}; "
+        "img-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+    )
+    return css, js, policy
 
 
 def share_page(shared: dict, copy_action: str | None) -> str:
-    """The shared copy as a page of its own: every text escaped, nothing of the app's; with
-    `copy_action`, a button that posts there to continue it."""
+    """The shared copy as a page of its own: each message's markdown, code and LaTeX rendered
+    and sanitized (api.markdown_html), nothing of the app's; with `copy_action`, a button that
+    posts there to continue it."""
+    css, js, _ = page_assets()
     title = html.escape(shared["title"] or "A shared conversation")
     when = datetime.fromtimestamp(shared["created"], UTC).strftime("%Y-%m-%d %H:%M UTC")
     parts = [
         f"<!doctype html><html lang=en><head><meta charset=utf-8><title>{title}</title>",
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         '<meta name="robots" content="noindex">',
-        f"<style>{STYLE}</style></head><body>",
+        f"<style>{css}</style></head><body>",
         f"<header><h1>{title}</h1><p>Shared from crowdchat on {when} · read-only</p></header>",
     ]
     for m in shared["messages"]:
         role = m["role"] if m["role"] in SPEAKERS else "assistant"
         parts.append(
             f'<div class="message {role}"><span class="speaker">{SPEAKERS[role]}</span>'
-            f"{html.escape(m['content'])}</div>"
+            f"{markdown_html(m['content'])}</div>"
         )
     if copy_action:
         parts.append(
@@ -63,7 +77,7 @@ def share_page(shared: dict, copy_action: str | None) -> str:
             '<button id="continue" type="submit">Continue this conversation as my own</button>'
             "</form>"
         )
-    return "".join(parts) + "</body></html>"
+    return "".join(parts) + f"<script>{js}</script></body></html>"
 
 
 def _same_origin(request: Request) -> bool:
@@ -89,9 +103,15 @@ def build_share_router(sessions: SessionManager, enabled: bool) -> APIRouter:
             return JSONResponse({"object": "share", **shared})
         # relative (/share/{token}/copy), so a proxy's path prefix holds
         action = f"{token}/copy" if identity_of(request.scope) is not None else None
+        page = await run_in_threadpool(share_page, shared, action)  # markdown: CPU work
         return HTMLResponse(
-            share_page(shared, action),
-            headers={"Referrer-Policy": "same-origin", "X-Robots-Tag": "noindex"},
+            page,
+            headers={
+                "Referrer-Policy": "same-origin",
+                "X-Robots-Tag": "noindex",
+                "Content-Security-Policy": page_assets()[2],
+                "X-Content-Type-Options": "nosniff",
+            },
         )
 
     @router.post("/share/{token}/copy")
