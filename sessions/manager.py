@@ -33,12 +33,12 @@ from sessions.shared_prompts import SharedPrompts
 from sessions.snapshots import SnapshotFiles, check_session_id
 from sessions.state import SessionState
 from sessions.store import Store
+from sessions.titles import title_from
 from sessions.transfer import Transfers
 from sessions.turn import ChatTurn, TurnPlan
 from sessions.turn_life import TurnLife
 
 log = logging.getLogger(__name__)
-TITLE_CHARS = 60
 ADMIN_ROWS = 200  # sessions the admin page lists, most recently active first
 
 
@@ -199,7 +199,7 @@ class SessionManager(BranchTurns, TurnLife, Transfers):
         def plan(session: dict, history: list[dict]) -> TurnPlan:
             update = {"state": SessionState.ACTIVE, "last_active": time.time()}
             if not session["title"]:
-                update["title"] = " ".join(text.split())[:TITLE_CHARS]
+                update["title"] = title_from(text)
             parent = history[-1]["id"] if history else None
             return TurnPlan(
                 [*conversation(session, history, self.default_system), user_says(text)],
