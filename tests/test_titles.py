@@ -43,7 +43,7 @@ from sessions.titles import MAX_CHARS, SPECIAL, title_from
             "Tell me everything you know about the history…",
         ),
         ("x" * 500, "X" * 1 + "x" * (MAX_CHARS - 2) + "…"),
-        ("请帮我写一首关于春天的诗，要有五个段落，每个段落四行，并且押韵，还要有一个标题。" * 2, None),
+        ("请帮我写一首关于春天的诗，要有五个段落，每个段落四行，并且押韵。" * 3, None),
         ("", ""),
         ("   \n\t  \n", ""),
         ("<|endoftext|>", ""),
@@ -115,7 +115,7 @@ def test_seeded_random_messages_give_short_clean_titles() -> None:
 
 def test_the_first_turn_names_the_conversation_and_rename_holds(nf4_sessions: tuple) -> None:
     _engine, sm = nf4_sessions
-    params = SamplingParams(max_tokens=2, temperature=0.0)
+    params = SamplingParams(temperature=0, max_new_tokens=2)
     sid = sm.create_session("ann")["id"]
     sm.chat("ann", sid, "Hello! Could you explain **photosynthesis** to a child?", params).result()
     assert sm.get_session("ann", sid)["title"] == "Explain photosynthesis to a child?"
