@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs HERE (a machine with internet), never on the GPU machine: fills the git-ignored folder
 # .gpu/ with what the CUDA machine lacks, so that `bench/gpu_check.sh` can run there offline.
-#   .gpu/wheels/          wheels (transformers 5.24, sqlite-utils and its two deps, regex, and
-#                         the API server's fastapi, starlette, pydantic, uvicorn, orjson)
+#   .gpu/wheels/          wheels (transformers 5.24, sqlite-utils and its two deps, regex and
+#                         tokenizers (guards), the API server's fastapi, starlette, pydantic,
+#                         uvicorn, orjson)
 #   .gpu/site/            bitsandbytes unpacked, with only the CUDA 13 and CPU native libraries
 #                         (the whole wheel is 43 MB; the device runs torch 2.11+cu130)
 #   .gpu/smollm2-config/  SmolLM2-135M-Instruct's config.json + tokenizer files, for
@@ -15,11 +16,10 @@ DEST=.gpu
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
-for repo in . /work/main; do  # keep .gpu/ out of git wherever the device tool may send it
-  dir=$(git -C "$repo" rev-parse --path-format=absolute --git-common-dir 2>/dev/null) || continue
-  mkdir -p "$dir/info" && touch "$dir/info/exclude"
-  grep -qx '/.gpu/' "$dir/info/exclude" || echo '/.gpu/' >>"$dir/info/exclude"
-done
+# keep .gpu/ out of git: the repository's own exclude file, which every worktree of it shares
+dir=$(git rev-parse --path-format=absolute --git-common-dir)
+mkdir -p "$dir/info" && touch "$dir/info/exclude"
+grep -qx '/.gpu/' "$dir/info/exclude" || echo '/.gpu/' >>"$dir/info/exclude"
 git check-ignore -q "$DEST/x" || { echo "error: .gpu/ is not git-ignored here" >&2; exit 1; }
 
 rm -rf "$DEST" && mkdir -p "$DEST/wheels" "$DEST/site" "$DEST/smollm2-config"
@@ -36,8 +36,11 @@ done
   click-default-group==1.2.4 regex==2026.11.19 \
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 \
   annotated-types==0.8.0 typing-inspection==0.4.5 uvicorn==0.55.0 orjson==3.13.0 \
+  tokenizers==0.23.3 \
   2>&1 | grep -v "is ignored: it is neither" || true
 # regex: transformers checks regex>=2025.10.22 at import and the device's version is unknown.
+# tokenizers: a guard, unpacked only where the device's is older than 0.23.1 (transformers
+# 5.24+ and the engine's detokenizer, tokenizers.decoders.DecodeStream, want it).
 # The device already has: tokenizers, huggingface-hub, safetensors 0.8, accelerate,
 # prometheus-client, psutil, numpy, pandas, click, pluggy, tabulate, python-dateutil (KINDS.md).
 # gguf is not needed: the random model is a plain safetensors directory.
@@ -56,7 +59,6 @@ find "$DEST/site/bitsandbytes" -name 'libbitsandbytes_*' \
 src=${1:-}
 if [ -z "$src" ]; then
   for d in "${CROWDCHAT_DATA:-data}"/models/SmolLM2-135M-Instruct* \
-    /work/main/data/models/SmolLM2-135M-Instruct* \
     /tmp/pytest-of-*/pytest-*/models0/models/SmolLM2-135M-Instruct*; do
     [ -f "$d/tokenizer.json" ] && [ -f "$d/config.json" ] && src=$d
   done
