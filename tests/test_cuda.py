@@ -116,48 +116,56 @@ def test_the_triton_attention_replies_as_the_gathered_one_on_cuda(
 def test_decode_steps_replay_cuda_graphs_bitwise_as_eager(
     fp32_cuda: LoadedModel, tmp_path: Path
 ) -> None:
-    """Every bucket is captured at start (its memory in the stats); a replayed step's logits
-    are bitwise the same static step run eagerly; padded buckets reply as eager steps."""
-    from dataclasses import replace
-
+    """Every bucket is captured at start (its memory and count in the stats); a replayed
+    step's logits are bitwise the same static step run eagerly; the replies of padded
+    buckets are those of the same buckets' steps run eagerly (not of unpadded eager steps:
+    cuBLAS may pick another kernel for 6 rows than for 8)."""
     assert fp32_cuda.decode_buckets[-1] == EngineConfig().max_num_seqs
     engine = engine_on(fp32_cuda, tmp_path)
     engine.shutdown()  # drive the runner on this thread
     static = engine.runner.static  # type: ignore[attr-defined]
     assert static is not None and set(static.graphs) == set(fp32_cuda.decode_buckets)
-    assert engine.stats().graph_bytes == static.graph_bytes > 0
+    stats = engine.stats()
+    assert stats.graph_bytes == static.graph_bytes > 0
+    assert stats.cuda_graphs == len(static.graphs) and stats.cuda_graph_error is None
     seqs = [Sequence(ids, GREEDY) for ids in encode(fp32_cuda)[:3]]  # bucket 4: a padded row
     with torch.inference_mode():
         prefilled(engine, seqs)
         replayed = static.run(seqs).clone()
         eager = static._forward(static.bucket(len(seqs)))[: len(seqs)]
     assert torch.equal(replayed, eager)
+    assert graphs_and_eager_buckets_reply_alike(fp32_cuda, tmp_path)
+
+
+def graphs_and_eager_buckets_reply_alike(loaded: LoadedModel, tmp: Path) -> bool:
+    """Whether six greedy replies (bucket 8: two padded rows) are the same with the decode
+    steps replayed as graphs and with the same buckets' static steps run eagerly."""
     replies = []
-    for loaded in (fp32_cuda, replace(fp32_cuda, decode_buckets=())):
-        engine = engine_on(loaded, tmp_path)
+    for graphs in (True, False):
+        engine = engine_on(loaded, tmp)
+        static = engine.runner.static  # type: ignore[attr-defined]
+        assert static is not None and static.graphs
+        if not graphs:
+            static.graphs.clear()  # before any submit: the engine thread is idle
+        runs: list[int] = []
+        direct = static.run
+        static.run = lambda decodes, direct=direct, runs=runs: (
+            runs.append(len(decodes)) or direct(decodes)
+        )
         try:
-            replies.append(engine.generate(encode(fp32_cuda), GREEDY))
+            replies.append(engine.generate(encode(loaded), GREEDY))
         finally:
             engine.check_integrity()
             engine.shutdown()
-    assert replies[0] == replies[1]
+        assert 6 in runs  # the static step ran (padded to 8)
+    return replies[0] == replies[1]
 
 
 def test_nf4_decode_steps_replay_inside_cuda_graphs(nf4_cuda: LoadedModel, tmp_path: Path):
     """bitsandbytes' nf4 kernels inside the captured steps: the same greedy replies as eager
-    steps of the same kernels."""
-    from dataclasses import replace
-
-    replies = []
-    for loaded in (nf4_cuda, replace(nf4_cuda, decode_buckets=())):
-        engine = engine_on(loaded, tmp_path)
-        try:
-            assert (engine.runner.static is not None) == bool(loaded.decode_buckets)  # type: ignore[attr-defined]
-            replies.append(engine.generate(encode(nf4_cuda), GREEDY))
-        finally:
-            engine.check_integrity()
-            engine.shutdown()
-    assert replies[0] == replies[1]
+    steps of the same buckets (bitsandbytes picks its kernel by the rows: 8 rows' kernel
+    against 8 rows', never against 6)."""
+    assert graphs_and_eager_buckets_reply_alike(nf4_cuda, tmp_path)
 
 
 def test_fused_rope_and_kv_write_are_bitwise_the_tensor_ops_in_bf16_on_cuda(
@@ -224,18 +232,18 @@ def test_bf16_batching_is_exact_and_nf4_stays_within_its_measured_bound_on_cuda(
     nf4_cuda: LoadedModel, cuda_model_dir: Path, tmp_path: Path
 ) -> None:
     """Dense bfloat16 on CUDA: batching moves no logit (measured on the H200: 0.0, prefill
-    and decode). nf4: a batched decode equals the solo ones (0.0), but bitsandbytes' CUDA
-    matmul rounds a many-prompt prefill differently from a one-prompt one: 0.74 std on the
-    random-weight model (H200, 2026-11-30; random weights amplify rounding, and flip the top
-    token of 2 of 3 prompts, whose top-2 gap is ~0.24 std). Bounded here at 1.5 std. A wrong
-    mask or slot scrambles logits by several std on these weights."""
+    and decode). nf4: bitsandbytes picks its CUDA kernel by the number of rows (a one-row
+    step takes its gemv, more rows dequantize and take a GEMM), so neither a many-prompt
+    prefill nor a batched decode rounds as its solo step does: 0.74 std on the random-weight
+    model's prefill (H200, 2026-11-30; random weights amplify rounding, and flip the top token
+    of 2 of 3 prompts, whose top-2 gap is ~0.24 std). Both bounded here at 1.5 std, not
+    required equal. A wrong mask or slot scrambles logits by several std on these weights."""
     bf16 = load(cuda_model_dir, tmp_path / "bf16", quant="none", dtype="bfloat16")
     ref = batching_deviation(bf16, tmp_path / "ref")
     nf4 = batching_deviation(nf4_cuda, tmp_path / "nf4")
     print(f"batching deviation (first step, decode, same top): nf4 {nf4}, bf16 {ref}")
     assert ref[0] == 0.0 and ref[1] == 0.0
-    assert nf4[1] == 0.0
-    assert nf4[0] < 1.5
+    assert nf4[0] < 1.5 and nf4[1] < 1.5
 
 
 def test_nf4_engine_serves_greedy_and_sampled_requests_on_cuda(
