@@ -124,8 +124,8 @@ print(json.dumps(row))
 PY
 }
 
-# planned NAME: the limit PLAN gives NAME, which must be the next step in PLAN (else the
-# order is broken: said in the JSON, and a smoke run fails).
+# planned NAME: LIMIT = the limit PLAN gives NAME, which must be the next step in PLAN (else
+# the order is broken: said in the JSON, and a smoke run fails). Not in a subshell: NEXT counts.
 planned() {
   local entry=${PLAN[$NEXT]:-}
   if [ "${entry%%:*}" != "$1" ]; then
@@ -135,12 +135,12 @@ planned() {
     entry=$(printf '%s\n' "${PLAN[@]}" | grep "^$1:" | head -1)
   fi
   NEXT=$((NEXT + 1))
-  echo "${entry##*:}"
+  LIMIT=${entry##*:}
 }
 
 # skip NAME WHY: a planned step that does not run here (in its place, so the order holds).
 skip() {
-  planned "$1" >/dev/null
+  planned "$1"
   echo "{\"step\": \"$1\", \"rc\": \"skipped\", \"ok\": true, \"why\": \"$2\"}" | tee -a "$JSONL"
 }
 
@@ -148,7 +148,8 @@ skip() {
 step() {
   local name=$1 limit
   shift
-  limit=$(planned "$name")
+  planned "$name"
+  limit=$LIMIT
   local rem=$(($(left) - FINISH_S))
   if [ "$rem" -lt 10 ]; then
     echo "{\"step\": \"$name\", \"rc\": \"skipped\", \"ok\": false, \"why\": \"out of time\"}" |

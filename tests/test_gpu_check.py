@@ -46,3 +46,32 @@ def test_no_machines_path_in_the_gpu_scripts() -> None:
     for name in ("gpu_check.sh", "gpu_prep.sh"):
         text = (ROOT / "bench" / name).read_text()
         assert "/work/" not in text and "/home/" not in text, name
+
+
+def test_a_smoke_run_records_every_planned_step_in_order(tmp_path: Path) -> None:
+    """The rehearsal's plumbing with every step stubbed (a "python" that prints a JSON line
+    for a step's command and is the real one for the script's own helpers): each planned step
+    is recorded once, in PLAN's order, the larger shapes as skipped in their place, each row
+    with its wall and limit seconds, and the run says the order held."""
+    stub = tmp_path / "python"
+    stub.write_text(
+        "#!/usr/bin/env bash\n"
+        'case "$1 $2" in\n'
+        '  "-c "*"import json, subprocess"*) echo \'{"stub": "env"}\' ;;\n'
+        f'  "- "*|"-c "*) exec {sys.executable} "$@" ;;\n'
+        "  *) echo '{\"stub\": true}' ;;\n"
+        "esac\n"
+    )
+    stub.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(stub), "GPU_CHECK_SMOKE": "1", "OUT": str(tmp_path)}
+    env["GPU_CHECK_SITE"] = str(tmp_path / "site")
+    out = subprocess.run(
+        ["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "step" in r]
+    assert steps == plan()[1]["plan"]
+    assert all(r["rc"] == "skipped" for r in rows if "llama" in r.get("step", ""))
+    assert all("wall_s" in r and "limit_s" in r for r in rows if r.get("rc") == 0)
+    assert rows[-1] == {"order": "as planned", "steps": len(steps)}
