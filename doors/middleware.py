@@ -17,6 +17,7 @@ from api.errors import ApiError, error_response
 from doors.browser_id import COOKIE, BrowserIds
 from doors.config import AppConfig
 from doors.identity import STATE_KEY, Identity, Resolver, address_owner, bearer, client_key
+from doors.origin import cross_site, own_site_only
 from doors.throttle import LOGIN_ADDRESS
 from ui.auth import same_text
 
@@ -119,6 +120,10 @@ class Doors:
             return
         request = Request(scope)
         door = door_of(scope["path"])
+        foreign = cross_site(scope)
+        if foreign is not None:
+            await self._cross_site(door, foreign, scope, receive, send)
+            return
         length = request.headers.get("content-length", "0")
         if not length.isdigit() or int(length) > self._cap(scope)[0]:
             await self._too_large(door, scope, receive, send)
@@ -152,6 +157,7 @@ class Doors:
             nonlocal started
             if cut:  # whatever the route answers to a cut-off body: the 413 goes out instead
                 return
+            message = own_site_only(message)
             if message["type"] == "http.response.start":
                 started = True
                 if verdict.cookie is not None:
@@ -172,6 +178,17 @@ class Doors:
         if scope["method"] == "POST" and scope["path"] in IMPORT_PATHS:
             return self.max_import, "--max-import-mb"
         return self.max_body, "--max-body-bytes"
+
+    async def _cross_site(
+        self, door: str, why: str, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        message = f"Refused: a request from another site ({why}) changes nothing here."
+        log.info("refused a cross-site %s %s: %s", scope["method"], scope["path"], why)
+        if door == "api":
+            response = _api_refusal(message, 403, "cross_site_request")
+        else:
+            response = PlainTextResponse(message, status_code=403)
+        await response(scope, receive, send)
 
     async def _too_large(self, door: str, scope: Scope, receive: Receive, send: Send) -> None:
         message = str(BodyTooLarge(*self._cap(scope)))
