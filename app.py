@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import sys
@@ -70,6 +71,9 @@ def build_app(
         sharing=config.share_links != "off",
         sign_ins=SignIns(config.sign_in_hours * 3600),
     )
+    sessions.share_links = doors.sharing  # every door that makes links asks the manager
+    if users is not None:  # a disabled user's links read as gone (a user:NAME owner only)
+        sessions.owner_active = functools.partial(_user_active, users)
     app.include_router(build_router(engine, sessions, engine.model_id, doors.sharing))
     app.include_router(build_metrics_router(engine, sessions))
     app.include_router(build_download_router(sessions))  # the chat page's export links
@@ -94,6 +98,13 @@ def build_app(
         app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=config.proxies())
     app.state.doors = doors
     return app, monitor
+
+
+def _user_active(users: UsersFile, owner: str) -> bool:
+    if not owner.startswith("user:"):
+        return True
+    user = users.get(owner.removeprefix("user:"))
+    return user is not None and not user.disabled
 
 
 def _api_only_pages(app: FastAPI, model_id: str) -> None:

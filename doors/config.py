@@ -70,10 +70,21 @@ class AppConfig(Settings):
         20, "new anonymous browser identities per client address per minute; beyond: HTTP 429"
     )
     login_failures_per_name: int = setting(
-        5, "failed sign-ins per user name per minute before sign-in is refused for a while"
+        5,
+        "failed sign-ins per user name from one client address per minute before that "
+        "address is refused for the name a while; from all addresses together a name takes "
+        "30x this in 10 minutes",
     )
     login_failures_per_address: int = setting(
         20, "failed sign-ins per client address per minute before sign-in is refused"
+    )
+    imports_per_minute: int = setting(
+        6,
+        "conversation files per identity per minute (the chat page's uploads and POST "
+        "/v1/sessions/import together); beyond: HTTP 429",
+    )
+    upload_keep_s: int = setting(
+        600, "an uploaded file is deleted this many seconds after it arrived, imported or not"
     )
     sign_in_hours: float = setting(
         24.0,
@@ -116,7 +127,8 @@ class AppConfig(Settings):
                 need(False, f"--trusted-proxy: {proxy!r} is not an address or network")
         need(self.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024")
         for name in ("new_identities_per_minute", "login_failures_per_name",
-                     "login_failures_per_address"):  # fmt: skip
+                     "login_failures_per_address", "imports_per_minute",
+                     "upload_keep_s"):  # fmt: skip
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
 
     def proxies(self) -> list[str]:

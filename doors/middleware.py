@@ -18,7 +18,7 @@ from doors.browser_id import COOKIE, BrowserIds
 from doors.config import AppConfig
 from doors.identity import STATE_KEY, Identity, Resolver, address_owner, bearer, client_key
 from doors.origin import cross_site, own_site_only
-from doors.throttle import LOGIN_ADDRESS
+from doors.throttle import LOGIN_ADDRESS, Window
 from ui.auth import same_text
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ class Doors:
         self.max_import = max(max_import_bytes, self.max_body)
         self.resolver = resolver
         self.browser_ids = browser_ids
+        self.imports = Window(config.imports_per_minute)  # per identity, both doors together
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":  # no route speaks it: nothing unchecked gets through
@@ -132,6 +133,11 @@ class Doors:
         if isinstance(verdict, Response):
             await verdict(scope, receive, send)
             return
+        if scope["method"] == "POST" and scope["path"] in IMPORT_PATHS:
+            refusal = self._import_refusal(door, verdict)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
         scope.setdefault("state", {})[STATE_KEY] = verdict.identity
         if scope["method"] == "POST" and scope["path"].rstrip("/").endswith("/login"):
             LOGIN_ADDRESS.set(_address(scope))  # for the throttled auth function
@@ -172,6 +178,26 @@ class Doors:
                 raise
         if cut and not started:
             await self._too_large(door, scope, receive, send)
+
+    def _import_refusal(self, door: str, verdict: Admit) -> Response | None:
+        """A conversations file (an upload, an import) needs an identity that existed before
+        this request (not one minted for it: a cookieless client would be a new one every
+        time) and counts against its `--imports-per-minute`."""
+        identity = verdict.identity
+        if identity is None or verdict.cookie is not None:
+            return PlainTextResponse("Open the chat page first, then upload the file.", 401)
+        if self.imports.take(identity.owner):
+            return None
+        message = (
+            f"Too many conversation files: the limit is {self.imports.limit} a minute "
+            "(--imports-per-minute); wait a minute."
+        )
+        if door == "api":
+            response = _api_refusal(message, 429, "rate_limit_exceeded")
+        else:
+            response = PlainTextResponse(message, status_code=429)
+        response.headers["Retry-After"] = "60"
+        return response
 
     def _cap(self, scope: Scope) -> tuple[int, str]:
         """The largest body this request may send, and the flag that sets it."""

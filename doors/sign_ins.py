@@ -5,24 +5,33 @@ forever (until the server restarts): a copied cookie kept working for good, and 
 leaked password did not end the sessions signed in with it. `SignIns` takes the place of that
 dict (the same mapping, so Gradio's login, logout and user lookups use it unchanged, and so
 does the Doors middleware): a token is valid for `max_age_s` after its sign-in, and only while
-its user's password is the one they signed in with (`password_of`: the users file's hash, read
-again when the file changes). An expired or stale token is dropped when it is next looked up,
-and every sign-in drops the expired ones, so the map holds one entry per live sign-in.
+its user's credential is the one they signed in with (`credential_of`: the users file's
+credential epoch, which a reset, a disable and a re-enable each move on). The credential is
+the one the password was checked against, read before the check (`bind`): a reset that lands
+while the check runs leaves a token that is dead from the start, never one bound to the new
+password. An expired or stale token is dropped when it is next looked up, and every sign-in
+drops the expired ones, so the map holds one entry per live sign-in.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from contextvars import ContextVar
 from dataclasses import dataclass
+
+# (name, credential) a sign-in was checked against, set by `bind` in the /login request's
+# context: Gradio awaits the auth coroutine, then stores the token in the same context
+CHECKED: ContextVar[tuple[str, object] | None] = ContextVar("crowdchat_checked", default=None)
 
 
 @dataclass(frozen=True)
 class SignIn:
     name: str
     at: float  # `clock()` when it was made
-    password: str | None  # `password_of(name)` then
+    credential: object  # `credential_of(name)` when the password was checked
 
 
 class SignIns(MutableMapping[str, str]):
@@ -31,11 +40,11 @@ class SignIns(MutableMapping[str, str]):
     def __init__(
         self,
         max_age_s: float,
-        password_of: Callable[[str], str | None] = lambda _name: None,
+        credential_of: Callable[[str], object] = lambda _name: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_age_s = max_age_s
-        self.password_of = password_of
+        self.credential_of = credential_of
         self.clock = clock
         self._lock = threading.Lock()  # the event loop and worker threads both look up
         self._tokens: dict[str, SignIn] = {}
@@ -44,7 +53,7 @@ class SignIns(MutableMapping[str, str]):
         return now - s.at > self.max_age_s
 
     def _valid(self, s: SignIn) -> bool:
-        return not self._expired(s, self.clock()) and self.password_of(s.name) == s.password
+        return not self._expired(s, self.clock()) and self.credential_of(s.name) == s.credential
 
     def __getitem__(self, token: str) -> str:
         with self._lock:
@@ -56,7 +65,12 @@ class SignIns(MutableMapping[str, str]):
         return s.name
 
     def __setitem__(self, token: str, name: str) -> None:
-        sign_in = SignIn(name, self.clock(), self.password_of(name))
+        checked = CHECKED.get()
+        if checked is not None and checked[0] == name:
+            credential = checked[1]
+        else:  # not through `bind` (tests of the map alone)
+            credential = self.credential_of(name)
+        sign_in = SignIn(name, self.clock(), credential)
         with self._lock:
             now = self.clock()
             self._tokens = {t: s for t, s in self._tokens.items() if not self._expired(s, now)}
@@ -74,3 +88,17 @@ class SignIns(MutableMapping[str, str]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+    def bind(
+        self, auth: Callable[[str, str], Awaitable[bool]]
+    ) -> Callable[[str, str], Awaitable[bool]]:
+        """Gradio's `auth` coroutine `auth`, with the credential it checks read first and kept
+        for the token Gradio stores next (`CHECKED`)."""
+
+        async def bound(username: str, password: str) -> bool:
+            credential = await asyncio.to_thread(self.credential_of, username)
+            ok = await auth(username, password)
+            CHECKED.set((username, credential) if ok else None)
+            return ok
+
+        return bound

@@ -77,14 +77,24 @@ class Window:
                     del self._events[key]
 
 
+# the bound on one name's failures from all addresses together: this many times the
+# per-(name, address) limit, over this many times the window (slower, and wide enough that a
+# guesser on one address cannot reach it alone)
+NAME_FACTOR, NAME_WINDOWS = 30, 10
+
+
 class LoginThrottle:
-    """Failed sign-ins per user name and per client address. An attempt counts as failed
-    from the moment it starts (so parallel guesses count) and is forgiven if it succeeds."""
+    """Failed sign-ins per (user name, client address), per client address, and per user name
+    from all addresses (a slower bound). An attempt counts as failed from the moment it starts
+    (so parallel guesses count) and is forgiven if it succeeds. A guesser locks a name out
+    for their own address only: the right password from another address still gets in, until
+    failures from many addresses together pass the name's bound."""
 
     def __init__(
         self, per_name: int, per_address: int, window_s: float = 60.0, max_keys: int = 100_000
     ) -> None:
-        self.by_name = Window(per_name, window_s, max_keys)
+        self.by_pair = Window(per_name, window_s, max_keys)
+        self.by_name = Window(per_name * NAME_FACTOR, window_s * NAME_WINDOWS, max_keys)
         self.by_address = Window(per_address, window_s, max_keys)
         self.hashes_run = 0  # password checks actually run (tests assert on it)
         self.refused = 0
@@ -94,14 +104,20 @@ class LoginThrottle:
 
         async def guarded(username: str, password: str) -> bool:
             address = LOGIN_ADDRESS.get()
+            pair = f"{address}\0{username}"
             if not self.by_address.take(address):
                 self._refuse("from your address")
+            if not self.by_pair.take(pair):
+                self.by_address.give_back(address)
+                self._refuse("for this user name from your address")
             if not self.by_name.take(username):
                 self.by_address.give_back(address)
+                self.by_pair.give_back(pair)
                 self._refuse("for this user name")
             self.hashes_run += 1
             ok = await asyncio.to_thread(check, username, password)
             if ok:
+                self.by_pair.give_back(pair)
                 self.by_name.give_back(username)
                 self.by_address.give_back(address)
             return ok

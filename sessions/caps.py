@@ -76,10 +76,14 @@ class IdentityCaps:
             return self._requests[owner], self._turns[owner]
 
     @contextmanager
-    def creating(self, owner: str, count: Callable[[str], int]) -> Iterator[None]:
-        """Hold one of the pending-creation places while the block creates a conversation of
-        `owner`, whose committed conversations `count(owner)` says. The per-user cap on
-        conversations counts those being created too, so concurrent creations cannot pass it."""
+    def creating(
+        self, owner: str, count: Callable[[str], int], n: int = 1, what: str = ""
+    ) -> Iterator[None]:
+        """Hold pending-creation places while the block creates `n` conversations of `owner`
+        (a new one, an import's, a share's copy: every path that creates conversations comes
+        through here), whose committed conversations `count(owner)` says. The per-user cap on
+        conversations counts those being created too, so concurrent creations cannot pass
+        it. `what`: how the refusal names the request ("the file holds")."""
         c = self.config
         with self._lock:
             busy = sum(self._creating.values())
@@ -98,26 +102,27 @@ class IdentityCaps:
                 )
             if c.max_sessions_per_user:
                 have = count(owner) + mine
-                if have >= c.max_sessions_per_user:
+                if have + n > c.max_sessions_per_user:
+                    adds = f"{what} {n} conversation{'s' * (n != 1)} and " if what else ""
                     self._refuse(
                         "sessions",
-                        f"you have {have} conversations (the limit is "
-                        f"{c.max_sessions_per_user} per user); delete some to start a new one",
+                        f"{adds}you have {have} conversations (the limit is "
+                        f"{c.max_sessions_per_user} per user); delete some first",
                     )
-            self._creating[owner] += 1
+            self._creating[owner] += n
         try:
             yield
         finally:
             with self._lock:
-                _decrement(self._creating, owner)
+                _decrement(self._creating, owner, n)
 
     def _refuse(self, cap: str, message: str) -> None:
         self.refused[cap] += 1
         raise RateLimited(message)
 
 
-def _decrement(counter: Counter[str], key: str) -> None:
-    counter[key] -= 1
+def _decrement(counter: Counter[str], key: str, n: int = 1) -> None:
+    counter[key] -= n
     assert counter[key] >= 0, f"{key} released more than admitted"
     if not counter[key]:
         del counter[key]  # idle users cost nothing

@@ -163,12 +163,12 @@ def _conversation(c: object, where: str, reader: _Reader) -> Conversation:
         if m.get("role") not in ROLES:
             raise InvalidRequest(f"{place}: unknown role {m.get('role')!r}"[:200])
         parent = m.get("parent")
-        if parent is not None and parent not in index:
+        if parent is not None and (not _number(parent) or parent not in index):
             raise InvalidRequest(f"{place}: its parent must be an earlier message of the file")
         finish = m.get("finish_reason")
-        if finish is not None and finish not in set(FinishReason):
+        if finish is not None and (not isinstance(finish, str) or finish not in set(FinishReason)):
             raise InvalidRequest(f"{place}: unknown finish_reason {finish!r}"[:200])
-        if not isinstance(m.get("id"), int) or m["id"] in index:
+        if not _number(m.get("id")) or m["id"] in index:
             raise InvalidRequest(f"{place}: 'id' must be a number of its own")
         index[m["id"]] = len(convo.messages)
         convo.messages.append(
@@ -183,6 +183,11 @@ def _conversation(c: object, where: str, reader: _Reader) -> Conversation:
         )
     _one_selected(convo.messages)
     return convo
+
+
+def _number(value: object) -> bool:
+    """An integer id (JSON's true and false are no ids, though Python counts them ints)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _one_selected(messages: list[Message]) -> None:
@@ -207,6 +212,7 @@ def _chatgpt(items: list[dict], reader: _Reader) -> Parsed:
         if not isinstance(mapping, dict) or not all(isinstance(n, dict) for n in mapping.values()):
             raise InvalidRequest(f"{where}: 'mapping' must be an object of message nodes")
         reader.count(len(mapping))
+        _check_links(mapping, where)
         created = reader.when(c.get("create_time"), f"{where}: 'create_time'")
         convo = Conversation(
             title=reader.text(c.get("title") or "", f"{where}: the title", 200),
@@ -216,6 +222,21 @@ def _chatgpt(items: list[dict], reader: _Reader) -> Parsed:
         parsed.skipped += _chatgpt_tree(mapping, c.get("current_node"), convo, where, reader)
         parsed.conversations.append(convo)
     return parsed
+
+
+def _check_links(mapping: dict, where: str) -> None:
+    """Every node's `parent` is a node id (text) or null and its `children` a list of them,
+    before anything follows the links (a list there is no key to look up)."""
+    for key, node in mapping.items():
+        place = f"{where}, node {key!r}"[:120]
+        parent = node.get("parent")
+        if parent is not None and not isinstance(parent, str):
+            raise InvalidRequest(f"{place}: 'parent' must be a node id (text) or null")
+        children = node.get("children")
+        if children is not None and (
+            not isinstance(children, list) or not all(isinstance(k, str) for k in children)
+        ):
+            raise InvalidRequest(f"{place}: 'children' must be a list of node ids (text)")
 
 
 def _metadata(message: dict) -> dict:
@@ -277,6 +298,8 @@ def _chatgpt_tree(
             assert isinstance(message, dict)
             finish = _metadata(message).get("finish_details")
             kind = finish.get("type") if isinstance(finish, dict) else "stop"
+            if not isinstance(kind, str):
+                raise InvalidRequest(f"{place}: 'finish_details.type' must be text")
             convo.messages.append(
                 Message(
                     parent=parent,
@@ -289,8 +312,6 @@ def _chatgpt_tree(
             )
             parent = len(convo.messages) - 1
         children = node.get("children") or []
-        if not isinstance(children, list):
-            raise InvalidRequest(f"{place}: 'children' must be a list")
         stack += [(k, parent) for k in reversed(children) if k in mapping]
     if len(seen) < len(mapping):
         raise InvalidRequest(f"{where}: its message nodes form a loop")

@@ -8,6 +8,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from engine import Backend, InvalidRequest, SamplingParams
@@ -67,9 +68,14 @@ class SessionManager(BranchTurns, TurnLife, Transfers):
         self.limiter = self.admission.limiter
         self._active: dict[str, ChatTurn | None] = {}  # session id -> its running turn
         self._active_lock = threading.Lock()
+        self._one_offs: dict[str, set] = {}  # owner -> handles of one-off replies (stop_owner)
         self.residency = Residency(engine, config, self.store, self.files, self._is_busy)
         self.offload = self.residency.offload
         self.offload.cache_key = self._cache_key
+        # set by the app (app.build_app): --share-links off refuses new links on every door,
+        # and a link whose owner may not sign in now (disabled, removed) reads as gone
+        self.share_links = True
+        self.owner_active: Callable[[str], bool] = lambda _owner: True
 
     # -- sessions -----------------------------------------------------------------------
     def create_session(
@@ -187,6 +193,8 @@ class SessionManager(BranchTurns, TurnLife, Transfers):
                 cache_ns=owner,
                 shareable_prefix=self.prompts.shareable(ids),
             )
+        with self._active_lock:
+            self._one_offs.setdefault(owner, set()).add(handle)
         end = functools.partial(self._end_one_off, ticket=ticket)
         return OneOffReply(handle, self.engine.queue_position, on_end=end)
 

@@ -57,15 +57,17 @@ class Shares:
         return [dict(zip(cols, r, strict=True)) for r in rows]
 
     def read(self, token: object) -> dict:
-        """The shared copy: `title`, `created` and `messages` (role, content); SessionNotFound
+        """The shared copy: `title`, `created`, `messages` (role, content), `owner`; SessionNotFound
         for a revoked or unknown token (the same answer for both)."""
         if not isinstance(token, str) or not 16 <= len(token) <= 64:
             raise SessionNotFound(GONE)
-        sql = "SELECT title, messages, created FROM shares WHERE token = ? AND revoked IS NULL"
+        sql = (
+            "SELECT title, messages, created, owner FROM shares WHERE token = ? AND revoked IS NULL"
+        )
         row = self.sql.reader().execute(sql, [token]).fetchone()
         if row is None:
             raise SessionNotFound(GONE)
-        return {"title": row[0], "messages": json.loads(row[1]), "created": row[2]}
+        return {"title": row[0], "messages": json.loads(row[1]), "created": row[2], "owner": row[3]}
 
     def revoke(self, owner: str, token: str) -> None:
         """Take the link back (only its owner can); SessionNotFound otherwise."""

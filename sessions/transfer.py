@@ -8,8 +8,10 @@ import time
 
 from engine import InvalidRequest
 from sessions.chat_settings import ChatSettings
+from sessions.errors import SessionNotFound
 from sessions.export import conversation_json, conversation_markdown, export_file, file_name
 from sessions.importing import Conversation, Message, parse_import
+from sessions.shares import GONE
 
 # an imported message may be longer than one a user types (a long reply of another service)
 IMPORTED_CHARS_PER_TYPED = 10
@@ -50,12 +52,17 @@ class Transfers:
         )
         if not parsed.conversations:
             raise InvalidRequest("the file holds no conversation")
-        self._room_for(owner, len(parsed.conversations), "the file holds")
-        return self.store.import_conversations(owner, parsed.conversations), parsed.skipped
+        n = len(parsed.conversations)
+        with self.admission.caps.creating(owner, self.store.count_sessions, n, "the file holds"):
+            ids = self.store.import_conversations(owner, parsed.conversations)
+        return ids, parsed.skipped
 
     # -- share links --------------------------------------------------------------------
     def share(self, owner: str, sid: str) -> dict:
-        """A new read-only link to the conversation's active branch as it is now."""
+        """A new read-only link to the conversation's active branch as it is now (refused
+        with --share-links off, whichever door asks)."""
+        if not self.share_links:
+            raise InvalidRequest("share links are off on this server (--share-links)")
         session = self.get_session(owner, sid)
         messages = self.store.messages(sid)
         if not any(m["content"] for m in messages):
@@ -73,21 +80,25 @@ class Transfers:
 
     def read_share(self, token: str) -> dict:
         """What a link shows (anyone holding it may read it; who may hold one is the
-        door's business): title, when it was shared, messages."""
-        return self.store.shares.read(token)
+        door's business): title, when it was shared, messages. A link whose owner is
+        disabled reads as gone (SessionNotFound) until they are enabled again."""
+        shared = self.store.shares.read(token)
+        if not self.owner_active(shared.pop("owner")):
+            raise SessionNotFound(GONE)
+        return shared
 
     def copy_share(self, owner: str, token: str) -> str:
         """The shared conversation as a new conversation of `owner`, to continue; the
         original is not touched. Returns its id."""
-        shared = self.store.shares.read(token)
+        shared = self.read_share(token)
         messages = [
             Message(i - 1 if i else None, m["role"], m["content"], shared["created"])
             for i, m in enumerate(shared["messages"])
         ]
-        self._room_for(owner, 1, "continuing it adds")
         now = time.time()
         copy = Conversation(shared["title"], now, now, messages=messages)
-        return self.store.import_conversations(owner, [copy])[0]
+        with self.admission.caps.creating(owner, self.store.count_sessions, 1, "continuing adds"):
+            return self.store.import_conversations(owner, [copy])[0]
 
     def _exported(self, owner: str, sid: str | None) -> list[dict]:
         return [self.get_session(owner, sid)] if sid else self.store.list_sessions(owner)
@@ -99,15 +110,6 @@ class Transfers:
                 for row in rows
             ]
         )
-
-    def _room_for(self, owner: str, n: int, what: str) -> None:
-        """InvalidRequest if `n` more conversations would take `owner` past the cap."""
-        cap, have = self.config.max_sessions_per_user, self.store.count_sessions(owner)
-        if cap and have + n > cap:
-            raise InvalidRequest(
-                f"{what} {n} conversation{'s' * (n != 1)} and you have {have}; the limit is "
-                f"{cap} per user: delete some first"
-            )
 
     def _settings(self, row: dict) -> dict | None:
         stored = ChatSettings.from_json(row.get("settings"))

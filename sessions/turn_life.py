@@ -39,6 +39,7 @@ class TurnLife:
     offload: KVOffloader
     _active: dict[str, ChatTurn | None]  # session id -> its running turn
     _active_lock: threading.Lock
+    _one_offs: dict[str, set]  # owner -> the engine handles of their one-off requests
 
     @contextmanager
     def _claimed(self, sid: str) -> Iterator[dict]:
@@ -133,7 +134,24 @@ class TurnLife:
         return turn
 
     def _end_one_off(self, reply: OneOffReply, ticket: Ticket) -> None:
+        with self._active_lock:
+            running = self._one_offs.get(ticket.owner, set())
+            running.discard(reply.handle)
+            if not running:
+                self._one_offs.pop(ticket.owner, None)
         self.admission.end(ticket, cost(reply.handle))
+
+    def stop_owner(self, owner: str) -> None:
+        """Stop every reply of `owner` now: their conversations' and their one-off requests'
+        (a disabled user's)."""
+        with self._active_lock:
+            one_offs = list(self._one_offs.get(owner, ()))
+        for handle in one_offs:
+            handle.cancel()
+        for row in self.store.list_sessions(owner):
+            turn = self._active.get(row["id"])
+            if turn is not None:
+                turn.cancel()
 
     def _end_turn(
         self, turn: ChatTurn, ticket: Ticket, restore: Callable[[], str], before: str

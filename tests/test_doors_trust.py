@@ -17,10 +17,11 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+from fastapi import HTTPException
 
 from doors.browser_id import secret_file
 from doors.identity import load_key_file
-from doors.throttle import LoginThrottle, Window
+from doors.throttle import LOGIN_ADDRESS, LoginThrottle, Window
 from engine.errors import InvalidRequest
 from ui import auth
 from ui.auth import hash_password, users_checker
@@ -217,3 +218,29 @@ def test_a_key_for_a_user_name_with_a_colon_is_refused_by_the_keys_command(
     assert list(data.iterdir()) == []  # nothing written
     auth.main(["keys", str(data), "create", "ann", "deploy"])
     assert "for ann (deploy); shown once:\ncc-" in capsys.readouterr().out
+
+
+def test_a_guesser_locks_a_name_for_their_own_address_only_until_many_addresses_fail() -> None:
+    """Issue 57, decision 2: five wrong passwords from one address no longer lock the admin
+    out everywhere; the slower bound on the name from all addresses together still holds."""
+    throttle = LoginThrottle(per_name=5, per_address=20)
+    guarded = throttle.guard(lambda name, password: password == "right")
+
+    async def attempt(address: str, password: str) -> bool | int:
+        LOGIN_ADDRESS.set(address)
+        try:
+            return await guarded("admin", password)
+        except HTTPException as e:
+            return e.status_code
+
+    async def scenario() -> None:
+        assert [await attempt("6.6.6.6", "wrong") for _ in range(6)] == [False] * 5 + [429]
+        assert await attempt("6.6.6.6", "right") == 429  # the guesser's own address waits
+        assert await attempt("10.0.0.1", "right") is True  # the admin, elsewhere, gets in
+        # failures from many addresses together reach the name's slower bound
+        bound = throttle.by_name.limit
+        for i in range(bound):
+            await attempt(f"7.7.{i // 4 // 250}.{i // 4 % 250}", "wrong")
+        assert await attempt("10.0.0.2", "right") == 429
+
+    asyncio.run(scenario())

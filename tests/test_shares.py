@@ -8,6 +8,7 @@ import secrets
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -20,6 +21,7 @@ from sessions.shares import MAX_LINKS_PER_CONVERSATION
 from tests.conftest import close_sessions, make_sessions
 from tests.test_doors import add_user, signed_in
 from tests.web import bearer, running_server
+from ui.share_section import ShareSection
 
 KEYS = "ann:key-ann-0123456789ab\nben:key-ben-0123456789ab\n"
 ANN, BEN = bearer("key-ann-0123456789ab"), bearer("key-ben-0123456789ab")
@@ -176,8 +178,18 @@ def test_share_links_off_makes_and_shows_none(nf4_model: LoadedModel, tmp_path: 
         sm.store.add_message(sid, "user", "hello")
         refused = http.post(f"/v1/sessions/{sid}/shares", headers=ANN)
         assert refused.status_code == 400 and "--share-links" in refused.text
-        token = sm.share(sm.store.get_session(sid)["owner"], sid)["token"]
-        assert http.get(f"/share/{token}").status_code == 404  # even one made behind its back
+        # issue 57, defect 10: every door that makes links (the page's hidden section too)
+        # asks the manager, which refuses
+        owner = sm.store.get_session(sid)["owner"]
+        page = SimpleNamespace(sm=sm, owner=lambda _request: owner)
+        _link, _choices, said = ShareSection(page).on_create(sid, None)  # type: ignore[arg-type]
+        assert said.startswith("Error: share links are off")
+        with pytest.raises(InvalidRequest, match="--share-links"):
+            sm.share(owner, sid)
+        assert sm.shares(owner, sid) == []
+        row = sm.store.get_session(sid)  # one made behind its back still reads as nothing
+        token = sm.store.shares.create(owner, row, sm.store.messages(sid))["token"]
+        assert http.get(f"/share/{token}").status_code == 404
 
 
 @pytest.mark.parametrize("mode", ["signed-in", "public"])

@@ -69,12 +69,15 @@ def test_each_change_counts_at_once_over_http_and_is_logged(
         assert table.loc["root", "role"] == "admin" and table.loc["root", "last sign-in"] == "never"
 
         # disabled: bob's sign-in, his key and a new sign-in all stop at once
-        assert admin.set_disabled("root", "bob", True) == "bob is disabled."
+        assert admin.set_disabled("root", "bob", True) == "bob is disabled. 1 API key revoked."
         assert bob.get(PAGE).status_code == 401
         assert httpx.get(f"{url}/v1/models", headers=bearer(key)).status_code == 401
         assert login_status(url, "bob", PASSWORD) == 400
         assert admin.set_disabled("root", "root", True).startswith("Error: you cannot")
         assert admin.set_disabled("root", "bob", False) == "bob is enabled."
+        # re-enabled: his old key stays revoked (issue 57); a new one works
+        assert httpx.get(f"{url}/v1/models", headers=bearer(key)).status_code == 401
+        _row, key = doors.keys.issue("user:bob", "laptop")
         assert httpx.get(f"{url}/v1/models", headers=bearer(key)).status_code == 200
         bob = sign_in(url, "bob", PASSWORD)
 

@@ -10,41 +10,23 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
-import os
 import secrets
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import InvalidRequest
+from ui.users_file import (  # noqa: F401 - where the rest of the code imports them
+    User,
+    UsersFile,
+    check_name,
+    edit_users,
+    load_users,
+    parse_users,
+    write_users,
+)
 
 ITERATIONS = 200_000
-
-
-FLAGS = ("admin", "disabled")  # what the third field of a line may hold, comma-separated
-
-
-@dataclass(frozen=True)
-class User:
-    """One line of the users file: `name:hash`, `name:hash:admin`, `name:hash:disabled` or
-    `name:hash:admin,disabled`. A disabled user cannot sign in, and their sign-ins and API
-    keys stop working at once."""
-
-    name: str
-    hash: str
-    role: str = "user"
-    disabled: bool = False
-
-    @property
-    def admin(self) -> bool:
-        return self.role == "admin"
-
-    @property
-    def line(self) -> str:
-        flags = [f for f, on in (("admin", self.admin), ("disabled", self.disabled)) if on]
-        return f"{self.name}:{self.hash}" + (f":{','.join(flags)}" if flags else "")
 
 
 def hash_password(password: str, salt: str | None = None) -> str:
@@ -72,79 +54,9 @@ def same_text(a: str, b: str) -> bool:
     )
 
 
-def load_users(path: Path) -> dict[str, User]:
-    """`name:hash[:role]` lines (blank lines and # comments ignored); UTF-8."""
-    if not path.is_file():
-        raise InvalidRequest(f"users file not found: {path}")
-    return parse_users(path.read_bytes(), path)
-
-
-def parse_users(data: bytes, path: Path) -> dict[str, User]:
-    users = {}
-    for line in data.decode("utf-8").splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            name, _, rest = line.partition(":")
-            stored, _, third = rest.partition(":")
-            flags = {f.strip() for f in third.split(",") if f.strip()} - {"user"}
-            if flags - set(FLAGS):
-                what = ",".join(sorted(flags - set(FLAGS)))
-                raise InvalidRequest(f"{path}: user {name.strip()!r} has unknown role {what!r}")
-            role = "admin" if "admin" in flags else "user"
-            users[name.strip()] = User(name.strip(), stored.strip(), role, "disabled" in flags)
-    return users
-
-
-def write_users(path: Path, users: dict[str, User]) -> None:
-    """The users file, whole: a new file renamed over the old one, so a running server reads
-    the old or the new, never a half-written one (which would sign everybody out)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(u.line + "\n" for u in users.values()), encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def check_name(name: str) -> str | None:
-    """What is wrong with a new user name, or None."""
-    if not name or ":" in name or "," in name or name != name.strip():
-        return "the user name must be non-empty, contain no ':' or ',' and no outer spaces"
-    return None
-
-
 def check_password(password: str) -> str | None:
     """What is wrong with a new password, or None."""
     return "the password must have at least 8 characters" if len(password) < 8 else None
-
-
-class UsersFile:
-    """The users file, read again on every lookup and parsed again whenever its bytes change
-    (so a removed user, a new role or a new password counts at once, without a restart; its
-    bytes, not its mtime: two writes within one timestamp tick must not look the same)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._data: bytes | None = None
-        self._users: dict[str, User] = {}
-        self.get("")  # fail at start, not at the first login
-
-    def get(self, name: str) -> User | None:
-        try:
-            data = self.path.read_bytes()
-        except OSError as e:
-            raise InvalidRequest(f"users file not found: {self.path}") from e
-        if data != self._data:
-            self._users, self._data = parse_users(data, self.path), data
-        return self._users.get(name)
-
-    def all(self) -> dict[str, User]:
-        """Every user, as the file says now."""
-        self.get("")
-        return dict(self._users)
-
-    def password_of(self, name: str) -> str | None:
-        """`name`'s stored password hash (None: no such user): a sign-in made with another
-        one has ended (doors/sign_ins.py)."""
-        user = self.get(name)
-        return user.hash if user is not None else None
 
 
 def users_checker(
@@ -181,11 +93,17 @@ def add_user(path: Path, name: str, password: str, role: str) -> None:
     problem = check_name(name) or check_password(password)
     if problem:
         sys.exit(problem)
-    users = load_users(path) if path.is_file() else {}
-    was = users.get(name)
-    users[name] = User(name, hash_password(password), role, was is not None and was.disabled)
-    write_users(path, users)
-    print(f"user {name} saved in {path}" + (" (admin)" if role == "admin" else ""))
+    hashed = hash_password(password)
+
+    def change(users: dict[str, User]) -> str:
+        was = users.get(name)
+        users[name] = User(name, hashed, role, was is not None and was.disabled)
+        return f"user {name} saved in {path}" + (" (admin)" if role == "admin" else "")
+
+    try:
+        print(edit_users(path, change))
+    except ValueError as e:
+        sys.exit(f"nothing saved: {e}")
 
 
 def keys_main(argv: list[str]) -> None:
@@ -204,10 +122,9 @@ def keys_main(argv: list[str]) -> None:
     revoke = sub.add_parser("revoke", help="revoke the key KEY_ID")
     revoke.add_argument("key_id")
     args = ap.parse_args(argv)
-    if args.cmd == "create" and (":" in args.user or not args.user.strip()):
-        # owners are `user:NAME`, and no user name holds a ':' (add_user): such a key could
-        # never sign anyone in
-        sys.exit(f"no key made: {args.user!r} cannot be a user name (empty, or with a ':')")
+    if args.cmd == "create" and check_name(args.user):
+        # such a key could never sign anyone in
+        sys.exit(f"no key made: {args.user!r} cannot be a user name ({check_name(args.user)})")
     with Store(args.data_dir / "crowdchat.db") as store:
         keys = ApiKeys(store)
         if args.cmd == "create":

@@ -100,6 +100,12 @@ def mount_pages(
         max_size=engine.max_queue + engine.max_num_seqs,
     )
     poll_less(chat)
+    # Gradio deletes uploads older than --upload-keep-s, imported or not (Blocks.delete_cache)
+    chat.delete_cache = (min(60, config.upload_keep_s), config.upload_keep_s)
+    # Gradio's sign-ins never end by themselves: each gets an age limit and is bound to the
+    # credential epoch it was checked in (doors/sign_ins.py)
+    max_age = config.sign_in_hours * 3600
+    sign_ins = SignIns(max_age, users.epoch_of) if users is not None else SignIns(max_age)
     app = gr.mount_gradio_app(
         app,
         chat,
@@ -108,16 +114,13 @@ def mount_pages(
         theme="soft",
         show_error=False,
         auth=(
-            throttle.guard(users_checker(users, sessions.store.users.signed_in))
+            sign_ins.bind(throttle.guard(users_checker(users, sessions.store.users.signed_in)))
             if users is not None
             else None
         ),
         max_file_size=int(sessions.config.max_import_mb * 1e6),  # uploads: imports only
     )
     doors.resolver.gradio = gradio_app(app, "")
-    # Gradio's sign-ins never end by themselves: each gets an age limit (doors/sign_ins.py)
-    max_age = config.sign_in_hours * 3600
-    sign_ins = SignIns(max_age, users.password_of) if users is not None else SignIns(max_age)
     doors.resolver.gradio.tokens = sign_ins
     if users is None and admin_password:  # the admin page's own sign-in
         gradio_app(app, "/admin").tokens = SignIns(max_age)  # type: ignore[attr-defined]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime as dt
 import secrets
-import threading
 from dataclasses import replace
 
 import gradio as gr
@@ -18,7 +17,7 @@ import pandas as pd
 
 from sessions import SessionManager
 from sessions.api_keys import ApiKeys
-from ui.auth import User, UsersFile, check_name, check_password, hash_password, write_users
+from ui.auth import User, UsersFile, check_name, check_password, hash_password
 
 COLUMNS = ["user", "role", "state", "last sign-in", "conversations", "reply tokens",
            "tokens this minute", "API keys"]  # fmt: skip
@@ -39,7 +38,6 @@ class UsersAdmin:
         self.keys = keys
         self.sessions = sessions
         self.records = sessions.store.users
-        self._lock = threading.Lock()  # one change of the file at a time
 
     def table(self) -> pd.DataFrame:
         users = self.users.all()
@@ -76,15 +74,13 @@ class UsersAdmin:
 
     def _change(self, actor: str, name: str, action: str, edit) -> str:  # noqa: ANN001
         """Apply `edit(users, name)` (it returns what to say, or raises ValueError with what
-        is wrong) to the file, write it whole, record the change."""
+        is wrong) to the file under its lock (`UsersFile.edit`: the last active admin stays),
+        write it whole, record the change."""
         name = (name or "").strip()
-        with self._lock:
-            users = self.users.all()
-            try:
-                said = edit(users, name)
-            except ValueError as e:
-                return f"Error: {e}"
-            write_users(self.users.path, users)
+        try:
+            said = self.users.edit(lambda users: edit(users, name))
+        except ValueError as e:
+            return f"Error: {e}"
         self.records.changed(actor, name, action)
         return said
 
@@ -126,7 +122,9 @@ class UsersAdmin:
         return self._change(actor, name, "reset the password of", edit)
 
     def set_disabled(self, actor: str, name: str, disabled: bool) -> str:
-        """Disable (their sign-ins, keys and replies in progress stop) or enable a user."""
+        """Disable (their sign-ins and replies in progress stop, their API keys are revoked)
+        or enable a user (with none of their old sign-ins or keys: they sign in again and
+        make new keys)."""
 
         def edit(users: dict[str, User], name: str) -> str:
             user = self._existing(users, name)
@@ -138,8 +136,10 @@ class UsersAdmin:
         said = self._change(actor, name, "disabled" if disabled else "enabled", edit)
         if disabled and not said.startswith("Error"):
             owner = f"user:{name.strip()}"
-            for row in self.sessions.list_sessions(owner):
-                self.sessions.stop(owner, row["id"])  # a reply in progress ends now
+            revoked = self.keys.revoke_all(owner)
+            self.sessions.stop_owner(owner)  # replies in progress end now, one-off ones too
+            if revoked:
+                said += f" {revoked} API key{'s' * (revoked != 1)} revoked."
         return said
 
     def set_admin(self, actor: str, name: str, admin: bool) -> str:
