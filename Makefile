@@ -87,7 +87,7 @@ test-sanitize: kernel
 FUZZ_SECONDS ?= 600
 FUZZ_DIR := $(or $(CROWDCHAT_FUZZ_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/crowdchat/fuzz)
 fuzz: kernel
-	for t in browser_id chat_request snapshot_header kv_read_file; do \
+	for t in browser_id chat_request snapshot_header kv_read_file import; do \
 		$(PY) fuzz/fuzz_$$t.py -max_total_time=$(FUZZ_SECONDS) || exit 1; done
 	$(SANITIZE_ENV) $(PY) fuzz/fuzz_kv_read_file.py -runs=0 \
 		$(FUZZ_DIR)/kv_read_file/corpus fuzz/corpus/kv_read_file

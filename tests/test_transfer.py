@@ -4,9 +4,11 @@ another user's conversations through them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import sqlite3
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,9 +17,16 @@ import pytest
 from engine import InvalidRequest, SamplingParams
 from engine.model.loader import LoadedModel
 from sessions.chat_settings import ChatSettings
+from sessions.errors import RateLimited
 from sessions.importing import parse_import
 from tests.conftest import close_sessions, make_sessions
-from tests.transfer_rig import chatgpt_conversation
+from tests.transfer_rig import (
+    EVERY_TYPE,
+    chatgpt_conversation,
+    crowdchat_export,
+    replaced,
+    value_paths,
+)
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=6)
 MB = 1_000_000
@@ -215,7 +224,7 @@ def test_an_import_past_the_conversation_cap_imports_nothing(
         sm.create_session("ivy", "one")
         sm.create_session("ivy", "two")
         ours = sm.export_json("ivy")
-        with pytest.raises(InvalidRequest, match="the limit is 3"):
+        with pytest.raises(RateLimited, match="the file holds 2 conversations.*the limit is 3"):
             sm.import_file("ivy", json.dumps(ours).encode())
         assert len(sm.list_sessions("ivy")) == 2
         sm.import_file(
@@ -224,6 +233,82 @@ def test_an_import_past_the_conversation_cap_imports_nothing(
         assert len(sm.list_sessions("ivy")) == 3
     finally:
         close_sessions(engine, sm)
+
+
+def test_concurrent_imports_and_share_copies_never_pass_the_conversation_cap(
+    nf4_model: LoadedModel, tmp_path: Path
+) -> None:
+    """Issue 57, defect 3: cap 3, six imports of 3 at once (and share copies racing them)."""
+    engine, sm = make_sessions(
+        nf4_model, tmp_path, max_sessions_per_user=3, max_pending_creates_per_user=100
+    )
+    try:
+        sid = sm.create_session("src", "shared")["id"]
+        sm.store.add_message(sid, "user", "hello")
+        token = sm.share("src", sid)["token"]
+        three = [chatgpt_conversation()] * 3
+        start = threading.Barrier(9)
+        done: list[str] = []
+
+        def import_three() -> None:
+            start.wait()
+            with contextlib.suppress(RateLimited):
+                sm.import_file("jo", json.dumps(three).encode())
+                done.append("import")
+
+        def copy() -> None:
+            start.wait()
+            with contextlib.suppress(RateLimited):
+                sm.copy_share("jo", token)
+                done.append("copy")
+
+        threads = [threading.Thread(target=import_three) for _ in range(6)]
+        threads += [threading.Thread(target=copy) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(sm.list_sessions("jo")) <= 3
+        assert sm.usage("jo")["conversations"] <= 3
+        assert done  # the cap let some in
+    finally:
+        close_sessions(engine, sm)
+
+
+@pytest.mark.parametrize("shape", ["crowdchat", "chatgpt"])
+def test_every_value_of_either_format_replaced_by_every_json_type_is_read_or_refused(
+    shape: str,
+) -> None:
+    """Issue 57, defect 6: a list where an id was expected was a TypeError (a 500); every
+    malformed file is an InvalidRequest (a 400) naming where."""
+    seed = crowdchat_export() if shape == "crowdchat" else [chatgpt_conversation()]
+    assert parse_import(json.dumps(seed).encode(), MB, 10_000).conversations
+    refused = 0
+    for path in value_paths(seed):
+        for value in EVERY_TYPE:
+            body = json.dumps(replaced(seed, path, value)).encode()
+            try:
+                parse_import(body, MB, 10_000)
+            except InvalidRequest as e:
+                refused += 1
+                if path[-1] in ("parent", "children", "finish_reason"):
+                    assert "conversation 1" in str(e), (path, value, str(e))
+    assert refused > 50
+    at = ("conversations", 0, "messages", 1)
+    cases = {
+        "crowdchat": [
+            ((*at, "parent"), "conversation 1, message 2: its parent"),
+            ((*at, "finish_reason"), "conversation 1, message 2: unknown finish_reason"),
+        ],
+        "chatgpt": [
+            ((0, "mapping", "u1", "parent"), "conversation 1, node 'u1': 'parent' must be"),
+            ((0, "mapping", "u1", "children"), "conversation 1, node 'u1': 'children' must"),
+        ],
+    }
+    for path, where in cases[shape]:
+        doc = replaced(seed, path, [[1]])
+        with pytest.raises(InvalidRequest, match=where):
+            parse_import(json.dumps(doc).encode(), MB, 10_000)
 
 
 def test_parse_reads_only_within_its_limits() -> None:

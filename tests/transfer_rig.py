@@ -35,3 +35,66 @@ def chatgpt_conversation() -> dict:
             "a2": node("a2", "u1", [], msg("assistant", "Cafe Santiago.")),
         },
     }
+
+
+def crowdchat_export() -> dict:
+    """crowdchat's own export shape: one conversation with settings, a branch and a stop."""
+    from sessions.export import FORMAT, VERSION
+
+    def message(i: int, parent: int | None, role: str, text: str, **extra: object) -> dict:
+        return {"id": i, "parent": parent, "role": role, "content": text,
+                "created": 1_700_000_000.0 + i, "finish_reason": None, "selected": True,
+                **extra}  # fmt: skip
+
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "exported": 1_700_000_100.0,
+        "conversations": [
+            {
+                "title": "Pears",
+                "created": 1_700_000_000.0,
+                "last_active": 1_700_000_050.0,
+                "system_prompt": "Be brief.",
+                "settings": {"temperature": 0.7, "top_p": 0.9, "max_tokens": 64},
+                "messages": [
+                    message(1, None, "user", "Are pears apples?"),
+                    message(2, 1, "assistant", "No.", finish_reason="stop", selected=False),
+                    message(3, 1, "assistant", "No, a pome.", finish_reason="cancelled"),
+                ],
+            }
+        ],
+    }
+
+
+# one value of every JSON type, and the shapes that broke the readers (a list or an object
+# where a scalar was expected)
+EVERY_TYPE: tuple[object, ...] = (None, True, False, 0, -1, 1, 2**70, 1.5, -1e300, "", "x",
+                                  "root", [], [1], [[1]], ["u1"], {}, {"type": []})  # fmt: skip
+
+
+def value_paths(doc: object) -> list[tuple]:
+    """Every place of a JSON document that holds a value, as the keys that reach it."""
+    paths: list[tuple] = []
+
+    def walk(node: object, at: tuple) -> None:
+        items = node.items() if isinstance(node, dict) else enumerate(node)  # type: ignore[arg-type]
+        for key, value in list(items):
+            paths.append((*at, key))
+            if isinstance(value, (dict, list)):
+                walk(value, (*at, key))
+
+    walk(doc, ())
+    return paths
+
+
+def replaced(doc: object, path: tuple, value: object) -> object:
+    """A deep copy of `doc` with the value at `path` replaced by `value`."""
+    import copy
+
+    new = copy.deepcopy(doc)
+    node = new
+    for key in path[:-1]:
+        node = node[key]  # type: ignore[index]
+    node[path[-1]] = copy.deepcopy(value)  # type: ignore[index]
+    return new
