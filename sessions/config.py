@@ -45,6 +45,11 @@ class SessionConfig(Settings):
         " with Retry-After (0: no cap)",
     )
     max_sessions_per_user: int = setting(200, "conversations kept per user (0: no cap)")
+    max_storage_mb_per_user: float = setting(
+        100.0,
+        "MB of text kept per user: messages (imported ones too) and share links' copies; "
+        "beyond, new messages, imports and links get HTTP 429 (0: no cap)",
+    )
     max_pending_creates: int = setting(
         16, "conversations being created at once, all users together (0: no cap)"
     )
@@ -79,6 +84,7 @@ class SessionConfig(Settings):
             "max_sessions_per_user",
             "max_pending_creates",
             "max_pending_creates_per_user",
+            "max_storage_mb_per_user",
         ):
             flag = "--" + name.replace("_", "-")
             need(getattr(self, name) >= 0, f"{flag} must be >= 0 (0: no cap)")

@@ -28,6 +28,7 @@ from sessions.prompt import (
     conversation,
     user_says,
 )
+from sessions.quota import StorageQuota
 from sessions.reply import OneOffReply, Reply
 from sessions.residency import Residency
 from sessions.shared_prompts import SharedPrompts
@@ -65,6 +66,7 @@ class SessionManager(BranchTurns, TurnLife, Transfers):
             self.store, self.prompts, self.default_system, config.max_message_chars
         )
         self.admission = Admission(config)
+        self.quota = StorageQuota(self.store, config)
         self.limiter = self.admission.limiter
         self._active: dict[str, ChatTurn | None] = {}  # session id -> its running turn
         self._active_lock = threading.Lock()
@@ -134,8 +136,11 @@ class SessionManager(BranchTurns, TurnLife, Transfers):
         return self.store.search(owner, text, limit, marks)
 
     def usage(self, owner: str) -> dict[str, int | float]:
-        """Where `owner` stands against the per-user limits (Admission.usage)."""
-        return self.admission.usage(owner, self.store.count_sessions(owner))
+        """Where `owner` stands against the per-user limits (Admission.usage) and their
+        storage quota, in bytes."""
+        usage = self.admission.usage(owner, self.store.count_sessions(owner))
+        return {**usage, "storage_bytes": self.quota.used(owner),
+                "max_storage_bytes": self.quota.limit}  # fmt: skip
 
     def set_system_prompt(self, owner: str, sid: str, system_prompt: str) -> None:
         """Change the session's system prompt (the page sends it with every message, so an

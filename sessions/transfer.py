@@ -53,7 +53,9 @@ class Transfers:
         if not parsed.conversations:
             raise InvalidRequest("the file holds no conversation")
         n = len(parsed.conversations)
+        size = sum(_text_bytes(c) for c in parsed.conversations)
         with self.admission.caps.creating(owner, self.store.count_sessions, n, "the file holds"):
+            self.quota.check(owner, size, "the file")
             ids = self.store.import_conversations(owner, parsed.conversations)
         return ids, parsed.skipped
 
@@ -67,6 +69,7 @@ class Transfers:
         messages = self.store.messages(sid)
         if not any(m["content"] for m in messages):
             raise InvalidRequest("there is nothing to share yet: the conversation is empty")
+        self.quota.check(owner, sum(len(m["content"].encode()) for m in messages), "the link")
         return self.store.shares.create(owner, session, messages)
 
     def shares(self, owner: str, sid: str) -> list[dict]:
@@ -98,6 +101,7 @@ class Transfers:
         now = time.time()
         copy = Conversation(shared["title"], now, now, messages=messages)
         with self.admission.caps.creating(owner, self.store.count_sessions, 1, "continuing adds"):
+            self.quota.check(owner, _text_bytes(copy), "continuing it")
             return self.store.import_conversations(owner, [copy])[0]
 
     def _exported(self, owner: str, sid: str | None) -> list[dict]:
@@ -114,3 +118,8 @@ class Transfers:
     def _settings(self, row: dict) -> dict | None:
         stored = ChatSettings.from_json(row.get("settings"))
         return None if stored is None else stored.as_dict()
+
+
+def _text_bytes(convo: Conversation) -> int:
+    """What a conversation's messages take of its owner's storage quota."""
+    return sum(len(m.content.encode()) for m in convo.messages)

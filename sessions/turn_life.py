@@ -19,6 +19,7 @@ from sessions.admission import Admission, Ticket, cost, prompt_to_compute
 from sessions.errors import SessionBusy, SessionNotFound
 from sessions.offload import KVOffloader
 from sessions.prompt import PromptEncoder
+from sessions.quota import StorageQuota
 from sessions.reply import OneOffReply
 from sessions.residency import Residency
 from sessions.state import SessionState
@@ -40,6 +41,7 @@ class TurnLife:
     _active: dict[str, ChatTurn | None]  # session id -> its running turn
     _active_lock: threading.Lock
     _one_offs: dict[str, set]  # owner -> the engine handles of their one-off requests
+    quota: StorageQuota
 
     @contextmanager
     def _claimed(self, sid: str) -> Iterator[dict]:
@@ -80,6 +82,7 @@ class TurnLife:
         slot, start its KV restore, plan the turn from the session and its history as they
         are now, encode, reserve its tokens, write what it commits up front, start it."""
         params = self.admission.clamp(params)
+        self.quota.check(owner, 0, "a new message")  # its reply may end a little past it
         with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
             restore = self._begin_restore(sid, session)
             turn = plan(session, self.store.messages(sid))

@@ -20,6 +20,10 @@ def usage_text(u: dict) -> str:
         parts.append(part)
     if u["max_turns_per_user"]:
         parts.append(f"{u['turns_answering']} of {u['max_turns_per_user']} replies at once")
+    if u.get("max_storage_bytes"):  # the storage quota (sessions.quota)
+        parts.append(
+            f"{u['storage_bytes'] / 1e6:.1f} of {u['max_storage_bytes'] / 1e6:.0f} MB kept"
+        )
     if u["max_sessions_per_user"]:
         parts.append(f"{u['conversations']} of {u['max_sessions_per_user']} conversations")
     return "Your usage: " + " · ".join(parts) if parts else ""
