@@ -6,9 +6,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from playwright.sync_api import Browser, expect
 
 from engine.model.loader import LoadedModel, dtype_name
+from engine.served import owner_label
 from tests.browser_rig import ADMIN_VIEW, ARTIFACTS, log_in, open_page
 from tests.web import ADMIN_PASSWORD, running_server
 from ui.auth import hash_password
@@ -79,3 +81,62 @@ def test_admin_shows_upstream_replicas(browser: Browser, model_dir: Path, tmp_pa
     finally:
         for r in reps:
             r.stop()
+
+
+DESKTOP = {"width": 1280, "height": 900}
+WIDEST = """() => [...document.querySelectorAll('*')].filter(e => e.getBoundingClientRect().right
+  > innerWidth + 1 && ![...e.children].some(c => c.getBoundingClientRect().right > innerWidth + 1))
+  .slice(0, 8).map(e => e.tagName + '#' + e.id + '.' + e.className).join(' | ')"""
+PHONE = {"width": 390, "height": 844}
+
+
+def _session_of(sm: object, owner: str, text: str) -> str:
+    from engine import SamplingParams
+
+    sid = sm.create_session(owner)["id"]  # type: ignore[attr-defined]
+    sm.chat(owner, sid, text, SamplingParams(temperature=0, max_new_tokens=4)).result()  # type: ignore[attr-defined]
+    return sid
+
+
+@pytest.mark.parametrize("size", [DESKTOP, PHONE], ids=["1280x900", "390x844"])
+def test_admin_page_fits_the_screen_names_users_alike_and_acts_on_a_clicked_row(
+    browser: Browser, server: tuple, size: dict
+) -> None:
+    url, _, sm = server
+    sid = _session_of(sm, "user:dora", "Name three rivers of Europe.")
+    _session_of(sm, "browser:admin-test-browser-id", "Name one mountain.")
+    context, page = open_page(browser, url + "/admin/", size)
+    log_in(page, "admin", ADMIN_PASSWORD)
+    sessions = page.locator("#sessions")
+    expect(sessions).to_contain_text("Name three rivers", timeout=20_000)
+    # clock times: the server's zone, said on the page
+    expect(page.locator("#zone")).to_contain_text(time.localtime().tm_zone)
+    # the same user, the same name in both tables; a browser by its hash, never its id
+    label = "browser " + owner_label("browser:admin-test-browser-id")
+    for table in ("#sessions", "#served"):
+        expect(page.locator(table)).to_contain_text("dora", timeout=20_000)
+        expect(page.locator(table)).to_contain_text(label)
+    assert "admin-test-browser-id"[-6:] not in page.locator("#sessions").inner_text()
+    # nothing wider than the screen; on a phone the plots stand one above another
+    page.wait_for_timeout(500)
+    width = page.evaluate("document.documentElement.scrollWidth")
+    assert width <= size["width"], (width, page.evaluate(WIDEST))
+    boxes = [page.locator("#plots > *").nth(i).bounding_box() for i in range(4)]
+    assert all(b is not None and b["x"] + b["width"] <= size["width"] for b in boxes)
+    if size is PHONE:
+        assert boxes[0]["y"] < boxes[1]["y"] < boxes[2]["y"] < boxes[3]["y"]  # type: ignore[index]
+    ARTIFACTS.mkdir(exist_ok=True)
+    name = "admin-desktop.png" if size is DESKTOP else "admin-phone.png"
+    page.screenshot(path=str(ARTIFACTS / name), full_page=True)
+    # a click on the row chooses the session; the buttons act on it
+    sessions.get_by_text("Name three rivers").filter(visible=True).first.click()
+    expect(page.locator("#session-id input, #session-id textarea")).to_have_value(sid[:12])
+    expect(page.locator("#picked")).to_contain_text("dora")
+    page.locator("#persist").click()
+    expect(page.locator("#result")).to_contain_text(f"persisted {sid[:12]}")
+    page.locator("#drop-kv").click()
+    expect(page.locator("#result")).to_contain_text(f"dropped the KV of {sid[:12]}")
+    page.locator("#delete").click()
+    expect(page.locator("#result")).to_contain_text(f"deleted {sid[:12]}")
+    assert sm.store.get_session(sid) is None
+    context.close()

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-import datetime as dt
-
 import gradio as gr
-import pandas as pd
 
 from engine import CrowdchatError
 from engine.metrics import EngineStats
 from sessions import SessionManager, SessionStats
+from ui.admin_tables import (
+    MB,
+    replicas_table,
+    series,
+    served_table,
+    sessions_table,
+    zone_note,
+)
 from ui.monitor import Monitor, memory
 from ui.queue_polling import poll_less
 from ui.shared_prompts_section import build_shared_prompts
 from ui.users_admin import UsersAdmin, build_users_section
 
-MB = 2**20
 REFRESH_S = 1.5
 PARTS = (
     ("model", "Model weights", "#6366f1"),
@@ -73,33 +77,6 @@ def pool_lines(s: EngineStats, monitor: Monitor, length: float) -> list[str]:
     ]
 
 
-def replicas_table(monitor: Monitor) -> pd.DataFrame:
-    """Upstream replicas: health, turns, and what each one's /metrics says (vLLM names)."""
-    columns = ["url", "state", "turns", "failed", "in flight", "KV cache %", "running"]
-    columns += ["waiting", "prefix hit %", "last error"]
-    rows = []
-    for r in monitor.engine.stats().replicas:
-        u = r.upstream
-        queries = u.get("prefix_cache_queries")
-        hits = u.get("prefix_cache_hits")
-        usage = u.get("kv_cache_usage_perc")
-        rows.append(
-            {
-                "url": r.url,
-                "state": "draining" if r.draining and r.healthy else "up" if r.healthy else "down",
-                "turns": r.served,
-                "failed": r.failures,
-                "in flight": r.in_flight,
-                "KV cache %": "–" if usage is None else round(100 * usage, 1),
-                "running": u.get("num_requests_running", "–"),
-                "waiting": u.get("num_requests_waiting", "–"),
-                "prefix hit %": round(100 * hits / queries, 1) if queries and hits else "–",
-                "last error": r.last_error or "",
-            }
-        )
-    return pd.DataFrame(rows, columns=columns)
-
-
 def read_pace(st: SessionStats) -> str:
     return "" if st.disk_read_mb_s is None else f" (read at {st.disk_read_mb_s:,.0f} MB/s)"
 
@@ -138,62 +115,6 @@ def fmt(seconds: float | None) -> str:
     return "–" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
-def series(monitor: Monitor, columns: list[str]) -> pd.DataFrame:
-    rows = [
-        {"time": dt.datetime.fromtimestamp(r["time"]), "metric": c, "value": r[c]}
-        for r in list(monitor.samples)
-        for c in columns
-    ]
-    return pd.DataFrame(rows, columns=["time", "metric", "value"])
-
-
-def sessions_table(sessions: SessionManager) -> pd.DataFrame:
-    rows = [
-        {
-            "id": f.id[:12],
-            "owner": f.owner.split(":")[0] + ":" + f.owner[-6:],
-            "title": f.title[:40],
-            "state": f.state,
-            "tokens": f.tokens,
-            "resident KV MB": round(f.resident_bytes / MB, 2),
-            "snapshot MB": round(f.snapshot_bytes / MB, 2),
-            "idle s": round(f.idle_s),
-        }
-        for f in sessions.facts()
-    ]
-    return pd.DataFrame(
-        rows,
-        columns=[
-            "id",
-            "owner",
-            "title",
-            "state",
-            "tokens",
-            "resident KV MB",
-            "snapshot MB",
-            "idle s",
-        ],
-    )
-
-
-def served_table(monitor: Monitor) -> pd.DataFrame:
-    """Tokens computed per user, most served first (users as a hash of their identity)."""
-    rows = monitor.engine.stats().served
-    total = sum(p + g for _, p, g in rows) or 1
-    return pd.DataFrame(
-        [
-            {
-                "user": label,
-                "prompt tokens": p,
-                "generated tokens": g,
-                "share %": round(100 * (p + g) / total, 1),
-            }
-            for label, p, g in rows
-        ],
-        columns=["user", "prompt tokens", "generated tokens", "share %"],
-    )
-
-
 def build_admin_blocks(
     monitor: Monitor, sessions: SessionManager, users: UsersAdmin | None = None
 ) -> gr.Blocks:
@@ -206,14 +127,25 @@ def build_admin_blocks(
     }
 
     def refresh(length: float):  # noqa: ANN202
+        facts = sessions.facts()
+        named = [f"user:{n}" for n in users.users.all()] if users is not None else []
+        owners = named + [f.owner for f in facts]
+        samples = list(monitor.samples)
         return (
             memory_bar(monitor),
             totals(monitor, sessions, length),
-            *(series(monitor, cols) for cols in plots.values()),
-            sessions_table(sessions),
-            served_table(monitor),
-            replicas_table(monitor),
+            *(series(samples, cols) for cols in plots.values()),
+            sessions_table(facts),
+            served_table(monitor.engine, owners),
+            replicas_table(monitor.engine),
         )
+
+    def pick(evt: gr.SelectData) -> tuple[str, str]:
+        """A click on a row of the sessions table chooses that session for the buttons."""
+        row = evt.row_value or []
+        if len(row) < 3:
+            return gr.update(), gr.update()
+        return str(row[0]), f"Selected **{row[0]}** ({row[1]}): {row[2] or 'untitled'}"
 
     def act(action: str, prefix: str) -> str:
         prefix = (prefix or "").strip()
@@ -240,6 +172,7 @@ def build_admin_blocks(
 
     with gr.Blocks(title="crowdchat admin") as demo:
         gr.Markdown("## crowdchat · admin")
+        gr.Markdown(zone_note(), elem_id="zone")
         mem = gr.HTML(elem_id="memory")
         length = gr.Number(
             2000,
@@ -249,21 +182,22 @@ def build_admin_blocks(
             precision=0,
         )
         summary = gr.Markdown(elem_id="totals")
-        with gr.Row():
+        with gr.Row(elem_id="plots"):  # four abreast on a desktop, one above another on a phone
             lines = [
                 gr.LinePlot(
-                    x="time",
+                    x="seconds ago",
                     y="value",
                     color="metric",
                     title=title,
                     height=220,
-                    x_title="",
+                    min_width=240,
+                    x_title="seconds ago",
                     y_title="",
                 )
                 for title in plots
             ]
         table = gr.Dataframe(
-            label="Sessions (the most recently active first; up to 200)",
+            label="Sessions (the most recently active first; up to 200): click a row to act on it",
             interactive=False,
             elem_id="sessions",
         )
@@ -272,11 +206,17 @@ def build_admin_blocks(
             interactive=False,
             elem_id="served",
         )
-        with gr.Row():
-            target = gr.Textbox(label="Session id (or a unique prefix)", scale=3)
-            persist_btn = gr.Button("Persist to disk now", size="sm")
-            drop_btn = gr.Button("Drop KV", size="sm")
-            delete_btn = gr.Button("Delete session", size="sm", variant="stop")
+        picked = gr.Markdown("Click a session's row to choose it.", elem_id="picked")
+        with gr.Row(elem_id="session-actions"):
+            target = gr.Textbox(
+                label="Session id (the row clicked, or a unique prefix)",
+                scale=3,
+                min_width=200,
+                elem_id="session-id",
+            )
+            persist_btn = gr.Button("Persist to disk now", size="sm", elem_id="persist")
+            drop_btn = gr.Button("Drop KV", size="sm", elem_id="drop-kv")
+            delete_btn = gr.Button("Delete session", size="sm", variant="stop", elem_id="delete")
         upstream = bool(monitor.engine.stats().replicas)
         replicas = gr.Dataframe(
             label="Upstream replicas (vLLM's /metrics per replica)",
@@ -288,7 +228,7 @@ def build_admin_blocks(
             replica = gr.Textbox(label="Replica URL", scale=3)
             drain_btn = gr.Button("Drain (move new turns off)", size="sm")
             undrain_btn = gr.Button("Undrain", size="sm")
-        result = gr.Markdown()
+        result = gr.Markdown(elem_id="result")
         build_shared_prompts(sessions)
         if users is not None:
             build_users_section(users)
@@ -296,6 +236,7 @@ def build_admin_blocks(
         timer = gr.Timer(REFRESH_S)
         timer.tick(refresh, [length], outputs, show_progress="hidden", concurrency_limit=None)
         demo.load(refresh, [length], outputs, concurrency_limit=None)
+        table.select(pick, None, [target, picked], concurrency_limit=None)
         for btn, action in ((persist_btn, "persist"), (drop_btn, "drop"), (delete_btn, "delete")):
             btn.click(lambda p, a=action: act(a, p), [target], [result], concurrency_limit=None)
         for btn, action in ((drain_btn, "drain"), (undrain_btn, "undrain")):

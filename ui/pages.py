@@ -55,7 +55,7 @@ def mount_pages(
     monitor = Monitor(engine, sessions)
     css = [STATIC / "crowdchat.css"]
     admin_password = config.admin_secret()
-    admin_look = {"css_paths": css, "theme": "soft", "show_error": False}
+    admin_look = {"css_paths": [*css, STATIC / "admin.css"], "theme": "soft", "show_error": False}
     if users is not None and admin_password:
         log.warning("the admin password is ignored with --auth: /admin is for admin users")
     if users is not None or admin_password:

@@ -8,7 +8,6 @@ recorded in SQLite (`user_changes`) and logged."""
 
 from __future__ import annotations
 
-import datetime as dt
 import secrets
 from dataclasses import replace
 
@@ -17,16 +16,11 @@ import pandas as pd
 
 from sessions import SessionManager
 from sessions.api_keys import ApiKeys
+from ui.admin_tables import clock
 from ui.auth import User, UsersFile, check_name, check_password, hash_password
 
 COLUMNS = ["user", "role", "state", "last sign-in", "conversations", "reply tokens",
            "tokens this minute", "API keys"]  # fmt: skip
-
-
-def _when(timestamp: float | None) -> str:
-    if not timestamp:
-        return "never"
-    return dt.datetime.fromtimestamp(timestamp, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 class UsersAdmin:
@@ -57,7 +51,7 @@ class UsersAdmin:
                     name,
                     u.role,
                     "disabled" if u.disabled else "active",
-                    _when(signed.get(name)),
+                    clock(signed.get(name)),
                     conversations,
                     tokens,
                     used + reserved,
@@ -68,7 +62,7 @@ class UsersAdmin:
 
     def changes(self) -> pd.DataFrame:
         rows = [
-            [_when(c["at"]), c["actor"], c["user"], c["action"]] for c in self.records.changes()
+            [clock(c["at"]), c["actor"], c["user"], c["action"]] for c in self.records.changes()
         ]
         return pd.DataFrame(rows, columns=["when", "by", "user", "change"])
 
