@@ -8,13 +8,14 @@ import secrets
 
 from engine import InvalidRequest, PromptTooLong, SamplingParams
 from engine.chat_format import ChatFormatter
+from sessions.token_cache import LongTextTokens
 
 Message = dict[str, str]  # {"role": ..., "content": ...}
 KEEP_FRACTION = 0.75  # a conversation that outgrew its context is cut down to this much of it
 TOKEN_CACHE_ENTRIES = 16_384  # tokenized pieces of text kept (messages, template pieces)
-# longer texts are tokenized each time, so whatever clients send, the cache stays bounded:
-# 16,384 texts of at most 2,048 characters and their ids (as Python ints, ~36 bytes each):
-# ~300 MB at ~4 characters a token, ~1.2 GB if every character were a token
+# longer texts go to a cache bounded by characters (sessions.token_cache), so whatever clients
+# send, both stay bounded: 16,384 texts of at most 2,048 characters and their ids (as Python
+# ints, ~36 bytes each): ~300 MB at ~4 characters a token, ~1.2 GB if every character were one
 CACHED_TEXT_CHARS = 2_048
 CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # Unicode's Cc but tab and newline
 
@@ -112,11 +113,12 @@ class PromptEncoder:
         self.formatter = formatter
         self.max_model_len = max_model_len
         self._cached = functools.lru_cache(maxsize=TOKEN_CACHE_ENTRIES)(self._tokenize)
+        self._long = LongTextTokens(self._tokenize)  # no turn tokenizes a long message again
         self.share(shared_system_prompts)
 
     def _tokens(self, text: str, user_text: bool) -> tuple[int, ...]:
         if len(text) > CACHED_TEXT_CHARS:
-            return self._tokenize(text, user_text)
+            return self._long(text, user_text)
         return self._cached(text, user_text)
 
     def share(self, shared_system_prompts: tuple[str, ...]) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+
 from engine import SamplingParams
 from engine.chat_format import ChatFormatter
 from engine.model.loader import LoadedModel
@@ -55,18 +57,31 @@ def test_pieces_join_to_exactly_what_the_formatter_encodes(formatter: ChatFormat
         assert prompts._cached.cache_info().hits == hits + 2 * len(convo) + 1
 
 
-def test_long_texts_are_tokenized_each_time_not_kept(formatter: ChatFormatter) -> None:
-    """Whatever clients send, the token cache holds short texts only (a memory bound)."""
+def test_a_long_message_is_tokenized_once_and_the_long_texts_kept_stay_bounded(
+    formatter: ChatFormatter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 57, defect 4: a message over 2,048 characters was tokenized again at every
+    turn; now its ids are kept too, in a cache bounded by characters (least recently used
+    out), beside the short texts' cache."""
     prompts = PromptEncoder(formatter, 100_000)
     long = "All work and no play. " * 200  # 4,400 characters
     convo = [{"role": "user", "content": long}]
-    before = prompts._cached.cache_info().currsize
-    for _ in range(2):
-        assert prompts.encode(convo, 100_000) == formatter.encode(convo)
-    assert prompts._cached.cache_info().currsize == before  # the message was not kept
-    short = [{"role": "user", "content": "All work and no play."}]
-    prompts.encode(short, 100_000)
-    assert prompts._cached.cache_info().currsize == before + 1  # a short one is
+    want = formatter.encode(convo)
+    calls: list[str] = []
+    real = formatter.tokenizer.encode
+
+    def counting(text: str, *args: object, **kwargs: object) -> list[int]:
+        calls.append(text)
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(formatter.tokenizer, "encode", counting)
+    for _ in range(3):  # three turns over the same history
+        assert prompts.encode(convo, 100_000) == want
+    assert calls.count(long) == 1
+    prompts._long.max_chars = 10_000  # room for two such texts
+    for i in range(3):
+        prompts.encode([{"role": "user", "content": f"{i} {long}"}], 100_000)
+    assert prompts._long.chars <= 10_000 and (long, True) not in prompts._long._ids
 
 
 def test_a_long_conversation_is_cut_in_steps_and_reuses_its_kv_between_cuts(
