@@ -59,12 +59,13 @@ if available():
         stride_ks,
         stride_tb,
         splits,
+        split_blocks,  # blocks a split: a runtime value, so every bucket's split size (engine.
+        # model.static_decode.split_tokens) shares one compiled kernel
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         D: tl.constexpr,
         D_PAD: tl.constexpr,
         BLOCK: tl.constexpr,
-        SPLIT_BLOCKS: tl.constexpr,
     ):
         row, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         length = tl.load(lens_ptr + row)
@@ -81,8 +82,8 @@ if available():
         total = tl.full([GROUP_PAD], 0.0, tl.float32)
         acc = tl.full([GROUP_PAD, D_PAD], 0.0, tl.float32)
         offs = tl.arange(0, BLOCK)
-        for i in range(SPLIT_BLOCKS):  # a fixed trip count; blocks past the row's end skipped
-            index = split * SPLIT_BLOCKS + i
+        for i in range(split_blocks):  # blocks past the row's end skipped
+            index = split * split_blocks + i
             if index * BLOCK < length:
                 block = tl.load(table_ptr + row * stride_tb + index)
                 valid = index * BLOCK + offs < length
@@ -101,7 +102,7 @@ if available():
         # a split past the row's end (and every split of a padded row) writes nothing: the
         # merge reads only the splits that hold tokens
         out = (row * GROUP * tl.num_programs(1) + heads) * splits + split
-        used = hmask & (g * 0 + split * SPLIT_BLOCKS * BLOCK < length)  # [GROUP_PAD]
+        used = hmask & (g * 0 + split * split_blocks * BLOCK < length)  # [GROUP_PAD]
         tl.store(m_ptr + out, m, mask=used)
         tl.store(l_ptr + out, total, mask=used)
         tl.store(acc_ptr + out[:, None] * D + d[None, :], acc, mask=used[:, None] & dmask[None, :])
@@ -114,7 +115,7 @@ if available():
         out_ptr,  # [B, H, D] float32
         lens_ptr,  # [B] int64
         splits,
-        SPLIT: tl.constexpr,  # tokens a split
+        split_len,  # tokens a split
         D: tl.constexpr,
         D_PAD: tl.constexpr,
         S_PAD: tl.constexpr,
@@ -125,7 +126,7 @@ if available():
         item = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         length = tl.load(lens_ptr + tl.program_id(0))
         s = tl.arange(0, S_PAD)
-        smask = (s < splits) & (s * SPLIT < length)
+        smask = (s < splits) & (s * split_len < length)
         m = tl.load(m_ptr + item * splits + s, mask=smask, other=float("-inf"))
         total = tl.load(l_ptr + item * splits + s, mask=smask, other=0.0)
         seen = total > 0
@@ -188,16 +189,16 @@ def paged_decode_attention(
         k_cache.stride(1),
         block_table.stride(0),
         splits,
+        split_blocks,
         GROUP=group,
         GROUP_PAD=triton.next_power_of_2(group),
         D=d,
         D_PAD=triton.next_power_of_2(d),
         BLOCK=block_size,
-        SPLIT_BLOCKS=split_blocks,
     )
     out = q.new_empty(b, h, d, dtype=out_dtype)
     _merge_kernel[(b, h)](
-        m, total, acc, out, context_lens, splits, SPLIT=split_blocks * block_size, D=d,
+        m, total, acc, out, context_lens, splits, split_blocks * block_size, D=d,
         D_PAD=triton.next_power_of_2(d), S_PAD=triton.next_power_of_2(splits),
     )  # fmt: skip
     return out
