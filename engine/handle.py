@@ -15,9 +15,18 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.errors import CrowdchatError
 from engine.sequence import FinishReason
+
+
+class TextDecoder(Protocol):
+    """A request's token ids to text (engine.core.detokenizer.IncrementalDetokenizer)."""
+
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 class RequestFailed(CrowdchatError):
@@ -92,6 +101,10 @@ class RequestHandle:
         self._cancel = cancel
         self._ready = threading.Condition(threading.Lock())  # guards the four fields below
         self._pending: list[str] = []  # deltas the reader has not taken yet
+        # tokens whose text the reader decodes (`_push_token`), with `detok`: off the engine
+        # thread, whose every microsecond a step is a GPU step waiting
+        self._ids: list[int] = []
+        self._detok: TextDecoder | None = None
         self._end: _Finished | None = None
         self._waker: _LoopWaker | None = None  # an asyncio reader's loop's
         self._woken: asyncio.Event | None = None  # set (on that loop) when a batch is ready
@@ -104,6 +117,15 @@ class RequestHandle:
         with self._ready:
             self._pending.append(delta)
             if len(self._pending) > 1:
+                return  # the reader was told when the batch began
+            self._wake()
+
+    def _push_token(self, token: int) -> None:
+        """A generated token whose text the reader decodes (`detok` set): the producer hands
+        over ids only."""
+        with self._ready:
+            self._ids.append(token)
+            if len(self._ids) > 1 or self._pending:
                 return  # the reader was told when the batch began
             self._wake()
 
@@ -146,6 +168,15 @@ class RequestHandle:
     def _take(self) -> str | None:
         """Under the lock: every pending delta joined, or None if there is none; at the end
         (nothing pending) raises the error finish or returns ''."""
+        detok = self._detok
+        if detok is not None:  # the tokens' text, decoded here on the reader's thread
+            text = "".join([detok.push(t) for t in self._ids])
+            self._ids.clear()
+            if self._end is not None and self._end.reason is not FinishReason.ERROR:
+                text += detok.flush()
+                self._detok = None  # flushed once
+            if text:
+                self._pending.append(text)
         if self._pending:
             text = "".join(self._pending)
             self._pending.clear()

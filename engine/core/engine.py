@@ -157,7 +157,11 @@ class Engine(ResidentKVCalls, EngineLoop, ConfigFacts):
                     "try again in a moment"
                 )
             self._pending += 1
-            self._inbox.put(Submit(Request(seq, handle, detok)))
+            if params.stop:  # stop strings: the engine thread must see them before the next step
+                self._inbox.put(Submit(Request(seq, handle, detok)))
+            else:  # the reader decodes its own text, off the engine thread
+                handle._detok = detok
+                self._inbox.put(Submit(Request(seq, handle, None)))
         return handle
 
     def generate(

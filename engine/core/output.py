@@ -23,7 +23,9 @@ class Request:
 
     seq: Sequence
     handle: RequestHandle
-    detok: IncrementalDetokenizer
+    # the engine thread's detokenizer where the request has stop strings (it must see them
+    # before the next step); None where the handle's reader decodes (`RequestHandle._detok`)
+    detok: IncrementalDetokenizer | None
     admitted: bool = False  # left the queue (counts no more against --max-queue)
 
 
@@ -78,8 +80,20 @@ class OutputProcessor:
         for seq, n in plan.prefills:
             seq.num_computed += n
             self.scheduler.cache_computed(seq)
+        m = self.metrics
+        with m.lock:  # latencies: one acquisition a step, not one a row
+            for seq in next_tokens:
+                if seq.first_token_at is None:
+                    seq.first_token_at = now
+                    m.ttft.append(now - seq.arrival)
+                    m.ttft_hist.observe(now - seq.arrival)
+                else:
+                    m.itl.append(now - seq.last_token_at)
+                    m.itl_hist.observe(now - seq.last_token_at)
+                seq.last_token_at = now
+        requests = self.requests
         for seq, token in next_tokens.items():
-            self._append(self.requests[seq.seq_id], token, now)
+            self._append(requests[seq.seq_id], token)
 
     def fail(self, seqs: list[Sequence], error: str) -> None:
         for seq in seqs:
@@ -91,28 +105,23 @@ class OutputProcessor:
         for req in list(self.requests.values()):
             self.finish(req, FinishReason.ERROR, error)
 
-    def _append(self, req: Request, token: int, now: float) -> None:
-        seq, p = req.seq, req.seq.params
+    def _append(self, req: Request, token: int) -> None:
+        seq, p, detok = req.seq, req.seq.params, req.detok
         seq.token_ids.append(token)
         req.handle.token_ids.append(token)
-        with self.metrics.lock:
-            if seq.first_token_at is None:
-                seq.first_token_at = now
-                self.metrics.ttft.append(now - seq.arrival)
-                self.metrics.ttft_hist.observe(now - seq.arrival)
-            else:
-                self.metrics.itl.append(now - seq.last_token_at)
-                self.metrics.itl_hist.observe(now - seq.last_token_at)
-        seq.last_token_at = now
         reason = None
         if token in self.stop_ids and not p.ignore_eos:
             reason = FinishReason.STOP
+        elif detok is None:
+            req.handle._push_token(token)
         else:
-            req.handle._push(req.detok.push(token))
-            if req.detok.stopped:
+            req.handle._push(detok.push(token))
+            if detok.stopped:
                 reason = FinishReason.STOP
-            elif seq.num_generated >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
-                reason = FinishReason.LENGTH
+        if reason is None and (
+            seq.num_generated >= p.max_new_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = FinishReason.LENGTH
         if reason is not None:
             self.finish(req, reason)
 
@@ -125,8 +134,8 @@ class OutputProcessor:
                 self.left_queue()
             self.scheduler.remove(seq)
         self.requests.pop(seq.seq_id, None)
-        if reason is not FinishReason.ERROR:
-            req.handle._push(req.detok.flush())
+        if reason is not FinishReason.ERROR and req.detok is not None:
+            req.handle._push(req.detok.flush())  # (a reader's detokenizer flushes at the end)
         with self.metrics.lock:
             if reason is FinishReason.ERROR:
                 self.metrics.failed += 1

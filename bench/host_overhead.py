@@ -1,0 +1,170 @@
+"""The engine thread's own work a step, with the model taken away: what caps a fast GPU.
+
+The real engine loop, scheduler, KV pool, sampler hand-off (the step's picks as a tensor read
+back with one `tolist()`), detokenizer (the embedded model's real tokenizer) and output path run
+around an instant model stand-in, `rows` requests decoding at once. A step's host time is the
+engine thread's time from one call of the stand-in to the next (wall and thread CPU), median
+over `--steps` steps once every row decodes. The replies have no stop strings, so their text is
+decoded by their readers (`RequestHandle`), here after the end, off the engine thread, as on a
+server (the relay threads). Prints one JSON object a row count and, last, a
+summary JSON object with `host_ms_per_step_N` for each N. `--profile` adds the engine thread's
+top functions by cumulative time (cProfile) at the largest row count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import itertools
+import json
+import platform
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.machine import provenance  # noqa: E402
+from bench.throughput import TEXT  # noqa: E402
+from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from engine.model.kv_cache import KVCache  # noqa: E402
+from engine.model.loader import LoadedModel, local_tokenizer  # noqa: E402
+from engine.model.plan import StepPlan  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
+
+PROMPT_TOKENS = 32
+SORT = "tottime"
+
+
+class InstantRunner:
+    """The `StepRunner` protocol at no model cost: each sampled row's next token is the next
+    one of a real text (so the detokenizer sees real words), handed back as the device
+    sampler's picks are, one int64 tensor read with `tolist()`. Times every call's gap."""
+
+    def __init__(self, reply: list[int], stop_ids: list[int]) -> None:
+        self.reply = reply
+        self.stop_ids = stop_ids
+        self.rows = 0  # time only steps of exactly this many decodes
+        self.marks: list[tuple[float, float]] = []
+        self.want = 0
+        self.profiler: cProfile.Profile | None = None
+        self.done = False
+
+    def run(self, plan: StepPlan) -> dict[Sequence, int]:
+        if len(plan.decodes) == self.rows and not plan.prefills and not self.done:
+            if not self.marks and self.profiler is not None:
+                self.profiler.enable()
+            self.marks.append((time.perf_counter(), time.thread_time()))
+            if len(self.marks) > self.want:
+                self.done = True
+                if self.profiler is not None:
+                    self.profiler.disable()
+        sampled = plan.decodes + [s for s, n in plan.prefills if s.num_computed + n == s.num_tokens]
+        n = len(self.reply)
+        picks = torch.tensor([self.reply[(s.seq_id * 7 + s.num_generated) % n] for s in sampled])
+        return dict(zip(sampled, picks.tolist(), strict=True))
+
+
+def measure(tokenizer, vocab: int, rows: int, steps: int, profile: bool) -> dict:  # noqa: ANN001
+    """One engine over the stand-in, `rows` requests decoding: the median host ms a step."""
+    reply = tokenizer.encode(TEXT, add_special_tokens=False)
+    prompt = tokenizer.encode(TEXT * 2, add_special_tokens=False)
+    made: list[InstantRunner] = []
+    eos = tokenizer.eos_token_id
+
+    def factory(loaded: LoadedModel, cache: KVCache, max_model_len: int = 0) -> InstantRunner:
+        made.append(InstantRunner(reply, [eos]))
+        return made[0]
+
+    new = steps + 64
+    per_seq_blocks = -(-(PROMPT_TOKENS + new + 16) // 16)
+    per_block = 2 * 4 * 16  # K and V, 1 layer, 1 head of width 1, float32
+    config = EngineConfig(
+        block_size=16,
+        kv_budget_mb=rows * per_seq_blocks * per_block * 1.1 / 2**20,
+        max_num_seqs=max(rows, 1),
+        max_num_batched_tokens=max(2048, rows * PROMPT_TOKENS),
+        max_queue=rows + 1,
+    )
+    loaded = LoadedModel(
+        model=SimpleNamespace(config=SimpleNamespace(vocab_size=vocab)),  # type: ignore[arg-type]
+        tokenizer=tokenizer,
+        model_id="instant",
+        weights_hash="0",
+        quant="none",
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        kv_dtype=torch.float32,
+        model_bytes=0,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=1,
+        max_position=4096,
+    )
+    engine = Engine(config, loaded, runner=factory)
+    runner = made[0]
+    runner.rows, runner.want = rows, steps
+    runner.profiler = cProfile.Profile() if profile else None
+    sp = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+    try:
+        handles = [engine.submit(prompt[i % 50 : i % 50 + PROMPT_TOKENS], sp) for i in range(rows)]
+        for h in handles:
+            h.result()
+    finally:
+        engine.shutdown()
+    marks = runner.marks
+    assert len(marks) > steps, f"only {len(marks)} steps of {rows} decodes"
+    wall = [(b[0] - a[0]) * 1e3 for a, b in itertools.pairwise(marks)]
+    cpu = [(b[1] - a[1]) * 1e3 for a, b in itertools.pairwise(marks)]
+    out = {
+        "rows": rows,
+        "steps": len(wall),
+        "host_ms_per_step": round(statistics.median(wall), 4),
+        "host_ms_per_step_p90": round(sorted(wall)[int(0.9 * len(wall))], 4),
+        "engine_thread_cpu_ms_per_step": round(statistics.median(cpu), 4),
+        "text_chars": sum(len(h.text) for h in handles),
+    }
+    if runner.profiler is not None:
+        buf = io.StringIO()
+        stats = pstats.Stats(runner.profiler, stream=buf)
+        stats.sort_stats(SORT).print_stats(14)
+        out["profile_tottime"] = [
+            line.strip() for line in buf.getvalue().splitlines() if line.strip()
+        ][-16:]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rows", default="1,32,64,128,256", help="decoding rows, comma-separated")
+    ap.add_argument("--steps", type=int, default=200, help="timed steps per row count")
+    ap.add_argument("--data-dir", default=None, help="where the embedded model is converted")
+    ap.add_argument("--profile", action="store_true", help="cProfile the largest row count")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(args.data_dir or tmp)
+        tokenizer, _, _, vocab = local_tokenizer(EngineConfig(data_dir=data))
+        counts = [int(r) for r in args.rows.split(",")]
+        summary: dict[str, object] = {
+            "bench": "host_overhead",
+            **provenance(),
+            "python": platform.python_version(),
+            "tokenizer": type(tokenizer).__name__,
+        }
+        for rows in counts:
+            row = measure(tokenizer, vocab, rows, args.steps, args.profile and rows == counts[-1])
+            print(json.dumps(row), flush=True)
+            summary[f"host_ms_per_step_{rows}"] = row["host_ms_per_step"]
+            summary[f"cpu_ms_per_step_{rows}"] = row["engine_thread_cpu_ms_per_step"]
+        print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
