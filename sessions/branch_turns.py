@@ -17,13 +17,22 @@ from sessions.turn import ChatTurn, TurnPlan
 class BranchTurns:
     """Regenerate, edit and switch branch (mixed into `SessionManager`)."""
 
-    def regenerate(self, owner: str, sid: str, params: SamplingParams) -> ChatTurn:
-        """Answer the last message of the active path again. The new reply becomes a sibling
-        branch of the old one, which stays (`switch_branch` shows it again)."""
+    def regenerate(
+        self, owner: str, sid: str, params: SamplingParams, message_id: int | None = None
+    ) -> ChatTurn:
+        """Answer the last message of the active path again, or, with `message_id`, the
+        message that reply of the active path answered (what comes after it stays on its
+        branch). The new reply becomes a sibling branch of the old one, which stays
+        (`switch_branch` shows it again)."""
         self.get_session(owner, sid)
 
         def plan(session: dict, history: list[dict]) -> TurnPlan:
-            if history and history[-1]["role"] == "assistant":
+            if message_id is not None:
+                at = next((i for i, m in enumerate(history) if m["id"] == message_id), None)
+                if at is None or history[at]["role"] != "assistant":
+                    raise InvalidRequest("only a reply in the conversation shown can be redone")
+                del history[at:]
+            elif history and history[-1]["role"] == "assistant":
                 history.pop()
             if not history or history[-1]["role"] != "user":
                 raise InvalidRequest("there is no message to answer again")
