@@ -25,6 +25,8 @@ FLAGS = [
 ]
 CHAT_VIEW = {"width": 1100, "height": 900}
 ADMIN_VIEW = {"width": 1280, "height": 1000}
+DESKTOP = {"width": 1280, "height": 900}
+PHONE = {"width": 390, "height": 844}
 
 
 def open_page(
@@ -46,6 +48,8 @@ def log_in(page: Page, name: str, password: str) -> None:
 
 def send(page: Page, text: str) -> None:
     """Type `text` into the chat page's message box and press Send."""
+    if page.locator("#system textarea").is_visible():
+        close_settings(page)
     page.locator("#message textarea").fill(text)
     page.locator("#send").click()
 
@@ -77,14 +81,46 @@ def loaded(page: Page) -> Page:
 
 
 def set_max_tokens(page: Page, n: int) -> None:
+    """Type `n` into the settings dialog's max-tokens box (opened for it, closed after)."""
+    was_open = page.locator("#system textarea").is_visible()
+    if not was_open:
+        open_settings(page)
     box = page.locator("#max-tokens input[type=number]")
     box.fill(str(n))
     box.press("Tab")
+    if not was_open:
+        close_settings(page)
 
 
 def open_settings(page: Page) -> None:
-    page.locator("#settings").get_by_role("button").first.click()
+    """Open the settings dialog from the header's ⚙."""
+    page.locator("#settings-open").click()
     expect(page.locator("#system textarea")).to_be_visible(timeout=10_000)
+
+
+def close_settings(page: Page) -> None:
+    page.locator("#settings-close").click()
+    expect(page.locator("#system textarea")).to_be_hidden(timeout=10_000)
+
+
+def owner_of(context: BrowserContext) -> str:
+    """The owner string of the browser context's anonymous identity (its signed cookie)."""
+    cookie = {c["name"]: c["value"] for c in context.cookies()}["crowdchat_id"]
+    return f"browser:{cookie.partition('.')[0]}"
+
+
+def item_menu(page: Page, title: str) -> None:
+    """Open the ⋯ menu of the conversation titled `title` in the sidebar."""
+    item = page.locator("#convos .cc-item", has_text=title).first
+    item.hover()
+    item.locator(".cc-dots").click()
+    expect(item.locator(".cc-menu")).to_be_visible(timeout=5_000)
+
+
+def reply_ended(page: Page, timeout: float = 120_000) -> None:
+    """Wait until no reply streams on screen (Send is back in Stop's place). Call it once the
+    reply is known to have started: before its first update, Send still shows."""
+    expect(page.locator("#send")).to_be_visible(timeout=timeout)
 
 
 def fill_kept(page: Page, selector: str, text: str) -> None:

@@ -138,6 +138,31 @@ def test_an_edit_is_a_sibling_of_the_original_which_comes_back_with_its_replies(
     assert len(sm.store.message_tree(sid)) == 8
 
 
+def test_an_earlier_reply_regenerates_as_a_sibling_and_its_old_branch_keeps_what_followed(
+    nf4_sessions: tuple,
+) -> None:
+    engine, sm = nf4_sessions
+    sid = sm.create_session("u")["id"]
+    a1 = sm.chat("u", sid, Q1, FORCED)
+    a1.result()
+    a2 = sm.chat("u", sid, Q2, FORCED)
+    a2.result()
+    first_reply = sm.messages("u", sid)[1]
+    with pytest.raises(Exception, match="redone"):
+        sm.regenerate("u", sid, FORCED, message_id=sm.messages("u", sid)[0]["id"])  # a question
+    again = sm.regenerate("u", sid, SamplingParams(temperature=1.0, seed=5, max_new_tokens=8),
+                          message_id=first_reply["id"])  # fmt: skip
+    again.result()
+    said = sm.formatter.tokenizer.decode(again.prompt)
+    assert Q1 in said and Q2 not in said  # answered as the first question, nothing after it
+    path = sm.messages("u", sid)
+    assert contents(path) == [Q1, again.text]
+    assert (path[1]["branch"], path[1]["branches"]) == (2, 2)
+    sm.switch_branch("u", sid, path[1]["id"], -1)  # the old reply comes back with its follow-up
+    assert contents(sm.messages("u", sid)) == [Q1, a1.text, Q2, a2.text]
+    assert len(sm.store.message_tree(sid)) == 5
+
+
 def test_switching_waits_for_the_reply_and_checks_the_owner(nf4_sessions: tuple) -> None:
     engine, sm = nf4_sessions
     sid = sm.create_session("u")["id"]
@@ -180,17 +205,23 @@ def test_fp32_a_branch_continues_exactly_as_a_cold_recompute_of_its_tokens(
         close_sessions(engine, sm)
 
 
-def test_the_switcher_follows_the_clicked_message_else_the_newest_with_versions() -> None:
-    from ui.branch_bar import describe, focused
+def test_each_message_shows_its_own_version_and_a_reply_how_it_streamed() -> None:
+    from ui.message_meta import ReplyStats, StatsMemory, meta_of
 
     path = [
         {"id": 1, "role": "user", "content": "Hi there", "branch": 2, "branches": 2},
-        {"id": 4, "role": "assistant", "content": "Hello!", "branch": 1, "branches": 3},
+        {"id": 4, "role": "assistant", "content": "Hello!", "branch": 1, "branches": 3,
+         "token_count": 3},
         {"id": 5, "role": "user", "content": "More", "branch": 1, "branches": 1},
-    ]
-    assert focused(path, None)["id"] == 4  # the newest message that has siblings
-    assert focused(path, 1)["id"] == 1  # the one the user clicked
-    assert focused(path, 5)["id"] == 4  # no siblings: the switcher stays where it was
-    assert focused(path[2:], None) is None
-    assert describe(path[1]).startswith("**1/3** · reply")
-    assert "your message" in describe(path[0]) and describe(None) == ""
+        {"id": 6, "role": "assistant", "content": "Sure.", "branch": 1, "branches": 1,
+         "token_count": 2},
+    ]  # fmt: skip
+    stats = StatsMemory(size=1)
+    stats.put(6, ReplyStats(tokens=2, first_token_s=0.123, tokens_per_s=31.25))
+    items = meta_of(path, stats)["items"]
+    assert [(m["branch"], m["branches"]) for m in items] == [(2, 2), (1, 3), (1, 1), (1, 1)]
+    assert [m["role"] for m in items] == ["user", "assistant", "user", "assistant"]
+    assert items[0]["stats"] == "" and items[1]["stats"] == "3 tokens"  # streamed before
+    assert items[3]["stats"] == "2 tokens · 31.2 tokens/s · first token in 0.12 s"
+    stats.put(7, ReplyStats(tokens=1, first_token_s=0.5, tokens_per_s=None))
+    assert stats.get(6) is None and stats.get(7).text() == "1 token · first token in 0.50 s"

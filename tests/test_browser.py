@@ -1,6 +1,7 @@
 """A real browser (Debian chromium driven by Playwright) on the chat page: a reply streams, stops
-and survives a reload; the system prompt; replies stay in their own conversation; regenerate
-and the branch switcher. The admin page and the sign-in form are tests/test_browser_admin.py's."""
+and survives a reload; the system prompt; replies stay in their own conversation; regenerate and
+the branch switcher on the reply. The admin page and the sign-in form are
+tests/test_browser_admin.py's."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.browser_rig import (
     open_settings,
     plain,
     replies_in_tree,
+    reply_ended,
     send,
     session_titled,
     set_max_tokens,
@@ -129,21 +131,21 @@ def test_regenerate_keeps_both_replies_and_the_switcher_picks_the_branch_that_go
     set_max_tokens(page, 16)  # short replies on a slow CPU
     send(page, "Name one fruit, please.")
     sid = session_titled(sm, "Name one fruit", replies=1)["id"]
-    expect(page.locator("#status")).not_to_contain_text("Replying", timeout=60_000)
-    page.locator("#regenerate").click()
+    reply_ended(page)
+    page.locator("#chatbot .cc-regen").last.click()  # ↻ under the reply
     first, second = replies_in_tree(sm, sid, 2)
-    switcher = page.locator("#branches")
+    switcher = page.locator("#chatbot .cc-branch")  # ‹ n/m › on the reply it switches
     expect(switcher).to_contain_text("2/2", timeout=30_000)
-    expect(switcher.locator("#branch-prev")).to_have_text("‹")
-    expect(switcher.locator("#branch-next")).to_have_text("›")
+    expect(switcher.locator(".cc-prev")).to_have_text("‹")
+    expect(switcher.locator(".cc-next")).to_have_text("›")
     expect(page.locator("#chatbot")).to_contain_text(plain(second), timeout=10_000)
-    page.locator("#branch-prev").click()
+    switcher.locator(".cc-prev").click()
     expect(switcher).to_contain_text("1/2", timeout=20_000)
     expect(page.locator("#chatbot")).to_contain_text(plain(first), timeout=10_000)
     if plain(second) not in first:
         assert plain(second) not in page.locator("#chatbot").inner_text()
     page.reload()  # the choice is stored: a reload shows the first reply again
-    expect(page.locator("#branches")).to_contain_text("1/2", timeout=30_000)
+    expect(switcher).to_contain_text("1/2", timeout=30_000)
     expect(page.locator("#chatbot")).to_contain_text(plain(first), timeout=10_000)
     open_settings(page)
     set_max_tokens(page, 16)
@@ -152,5 +154,5 @@ def test_regenerate_keeps_both_replies_and_the_switcher_picks_the_branch_that_go
     path = [m["content"] for m in sm.store.messages(sid)]
     assert path[:3] == ["Name one fruit, please.", first, "And what colour is it?"]
     assert len(path) == 4  # the next turn went on from the branch on screen
-    expect(page.locator("#branches")).to_contain_text("1/2", timeout=30_000)
+    expect(switcher).to_contain_text("1/2", timeout=30_000)
     context.close()

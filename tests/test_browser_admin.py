@@ -48,6 +48,7 @@ def test_with_sign_in_the_page_signs_in_and_shows_the_api_keys_section(
         context, page = open_page(browser, url + "/")
         log_in(page, "ann", "s3cret-pass")
         expect(page.locator("#message textarea")).to_be_visible(timeout=30_000)
+        page.locator("#settings-open").click()  # the keys are in the settings dialog
         page.locator("#api-keys").get_by_role("button").first.click()
         page.locator("#api-keys input").first.fill("from the browser")
         page.locator("#create-key").click()

@@ -10,7 +10,16 @@ from pathlib import Path
 
 from playwright.sync_api import Browser, Page, expect
 
-from tests.browser_rig import ARTIFACTS, loaded, open_conversation, open_settings, set_max_tokens
+from tests.browser_rig import (
+    ARTIFACTS,
+    close_settings,
+    item_menu,
+    loaded,
+    open_conversation,
+    open_settings,
+    reply_ended,
+    set_max_tokens,
+)
 from tests.transfer_rig import chatgpt_conversation
 
 
@@ -45,10 +54,12 @@ def upload_file(page: Page, path: Path) -> None:
 
 
 def send(page: Page, text: str) -> None:
+    if page.locator("#system textarea").is_visible():
+        close_settings(page)
     page.locator("#message textarea").fill(text)
     page.locator("#send").click()
     expect(page.locator("#chatbot")).to_contain_text(text, timeout=30_000)
-    expect(page.locator("#status")).to_have_text("", timeout=120_000)  # the reply ended
+    reply_ended(page)
 
 
 def test_each_conversation_shows_its_own_settings(browser: Browser, server: tuple) -> None:
@@ -60,9 +71,11 @@ def test_each_conversation_shows_its_own_settings(browser: Browser, server: tupl
     open_settings(page)
     choose_max_tokens(page, sm, 32)
     send(page, "Settings one: say hi.")
-    # the usage line says where this user stands against the per-user limits
+    # the settings dialog's usage line says where this user stands against the limits
+    open_settings(page)
     expect(page.locator("#usage")).to_contain_text("tokens this minute", timeout=20_000)
     expect(page.locator("#usage")).to_contain_text("1 of 200 conversations")
+    close_settings(page)
     page.locator("#new-chat").click()
     expect(page.locator("#chatbot")).not_to_contain_text("Settings one", timeout=10_000)
     expect(page.locator("#max-tokens input[type=number]")).to_have_value("32")  # last choice
@@ -74,7 +87,6 @@ def test_each_conversation_shows_its_own_settings(browser: Browser, server: tupl
     expect(page.locator("#max-tokens input[type=number]")).to_have_value("48", timeout=10_000)
     page.reload()
     loaded(page)
-    open_settings(page)
     open_conversation(page, "Settings one", "Settings one")
     expect(page.locator("#max-tokens input[type=number]")).to_have_value("32", timeout=10_000)
     rows = {r["title"]: r for r in sm.store.all_sessions() if r["title"].startswith("Settings")}
@@ -92,12 +104,12 @@ def test_export_links_download_and_an_upload_imports(
     page.goto(url + "/")
     loaded(page)
     send(page, "Export me: name a fruit.")
-    page.locator("#transfer").get_by_role("button").first.click()
-    expect(page.locator("#export-md")).to_be_visible(timeout=10_000)
+    item_menu(page, "Export me")  # the conversation's own menu
     with page.expect_download() as got:
-        page.locator("#export-md").click()
+        page.locator("#convos .cc-menu .cc-export-md").click()
     markdown = Path(got.value.path()).read_text(encoding="utf-8")
     assert "## You\n\nExport me: name a fruit." in markdown and "## Assistant" in markdown
+    open_settings(page)  # everything: the settings dialog's data section
     with page.expect_download() as got:
         page.locator("#export-all").click()
     everything = json.loads(Path(got.value.path()).read_text(encoding="utf-8"))
@@ -108,12 +120,14 @@ def test_export_links_download_and_an_upload_imports(
     upload_file(page, upload)
     expect(page.locator("#status")).to_contain_text("Imported 1 conversation", timeout=30_000)
     expect(page.locator("#convos")).to_contain_text("Trip to Porto")
+    close_settings(page)
     open_conversation(page, "Trip to Porto", "Try a francesinha.")
     page.screenshot(path=str(ARTIFACTS / "import.png"), full_page=True)
     # a bad file says why, and imports nothing
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "crowdchat", "version": 1, "conversations": [{"messages": '
                    '[{"id": 1, "role": "wizard", "content": "hi"}]}]}')  # fmt: skip
+    open_settings(page)
     upload_file(page, bad)
     expect(page.locator("#status")).to_contain_text("nothing was imported", timeout=30_000)
     expect(page.locator("#status")).to_contain_text("unknown role 'wizard'")
@@ -129,8 +143,8 @@ def test_a_share_link_opens_in_another_browser_which_continues_its_own_copy(
     page.goto(url + "/")
     loaded(page)
     send(page, "Share me: name a tree.")
-    page.locator("#share").get_by_role("button").first.click()
-    page.locator("#share-create").click()
+    item_menu(page, "Share me")
+    page.locator("#convos .cc-menu .cc-share").click()  # a link, in the share dialog
     link_box = page.locator("#share-link textarea, #share-link input").first
     expect(link_box).to_have_value(re.compile(r"/share/[\w-]{32}$"), timeout=20_000)
     link = link_box.input_value()

@@ -22,7 +22,7 @@ from sessions.store import Store
 from tests.conftest import close_sessions, make_sessions
 from tests.web import bearer, running_server
 from ui.chat_page import ChatPage, Screen
-from ui.settings_section import SettingsSection
+from ui.settings_dialog import SettingsDialog
 
 COOL = ChatSettings(temperature=0.2, top_p=0.5, max_tokens=48, repetition_penalty=1.3)
 WARM = ChatSettings(temperature=1.4, top_p=1.0, max_tokens=256, repetition_penalty=1.0)
@@ -67,7 +67,7 @@ def browser(page: ChatPage) -> gr.Request:
     return gr.Request(cookies={COOKIE: value})
 
 
-def shown(section: SettingsSection, sid: str | None, me: gr.Request) -> tuple:
+def shown(section: SettingsDialog, sid: str | None, me: gr.Request) -> tuple:
     """The sliders' values once the tab has opened `sid` (None: a new chat)."""
     screen = Screen()
     screen.sid = sid
@@ -75,7 +75,7 @@ def shown(section: SettingsSection, sid: str | None, me: gr.Request) -> tuple:
 
 
 def send(page: ChatPage, me: gr.Request, sid: str | None, s: ChatSettings) -> str:
-    *_, last = page.on_send("Hi there", sid, False, "", *slider_values(s), Screen(), me)
+    *_, last = page.on_send("Hi there", sid, None, "", *slider_values(s), Screen(), me)
     assert not last[1].startswith("Error"), last[1]
     return last[3]
 
@@ -83,7 +83,7 @@ def send(page: ChatPage, me: gr.Request, sid: str | None, s: ChatSettings) -> st
 def test_each_conversation_keeps_its_own_settings_and_new_ones_start_from_the_last(
     page: ChatPage, tmp_path: Path
 ) -> None:
-    section, me, other = SettingsSection(page), browser(page), browser(page)
+    section, me, other = SettingsDialog(page), browser(page), browser(page)
     assert shown(section, None, me) == slider_values(ChatSettings())  # before any choice
     cool = send(page, me, None, COOL)
     warm = send(page, me, None, WARM)

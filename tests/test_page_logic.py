@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import gradio as gr
 import pytest
@@ -21,6 +22,7 @@ from tests.conftest import close_sessions, make_sessions
 from tests.web import running_server
 from ui import auth
 from ui.chat_page import ChatPage, Screen
+from ui.status_line import turn_status
 
 
 def browser(page: ChatPage) -> tuple[str, gr.Request]:
@@ -42,7 +44,6 @@ def on_page(nf4_model: LoadedModel, tmp_path: Path) -> Iterator[tuple]:
 def test_status_tells_the_user_where_they_are(nf4_model: LoadedModel, tmp_path: Path) -> None:
     engine, sm = make_sessions(nf4_model, tmp_path, {"max_num_seqs": 1})
     try:
-        page = ChatPage(sm)
         long = SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
         first = sm.chat("a", sm.create_session("a")["id"], "Go on and on.", long)
         it = iter(first)
@@ -56,16 +57,19 @@ def test_status_tells_the_user_where_they_are(nf4_model: LoadedModel, tmp_path: 
                 time.sleep(0.05)
         want = ["Waiting for a free slot…", "Waiting: 1 ahead of you…"]
 
+        def status(t: object) -> str:
+            return turn_status(t, engine, None)  # type: ignore[arg-type]
+
         def shown() -> list[str]:  # the wait estimate aside (from the admission rate)
-            return [re.sub(r" \(about \d+ s\)", "", page.status(t)) for t in waiting]
+            return [re.sub(r" \(about \d+ s\)", "", status(t)) for t in waiting]
 
         deadline = time.time() + 10  # the engine thread publishes positions after a step
         while shown() != want:
-            assert time.time() < deadline, [page.status(t) for t in waiting]
+            assert time.time() < deadline, [status(t) for t in waiting]
             time.sleep(0.05)
         # one admission so far (the first turn): a slot frees about once per elapsed second
-        assert re.fullmatch(r"Waiting: 1 ahead of you \(about \d+ s\)…", page.status(waiting[1]))
-        assert page.status(first) == "Replying…"
+        assert re.fullmatch(r"Waiting: 1 ahead of you \(about \d+ s\)…", status(waiting[1]))
+        assert status(first) == ""  # it streams: the reply says it all
         for t in (first, *waiting):
             t.cancel()
         list(it)
@@ -74,6 +78,46 @@ def test_status_tells_the_user_where_they_are(nf4_model: LoadedModel, tmp_path: 
             time.sleep(0.05)
     finally:
         close_sessions(engine, sm)
+
+
+class Queued:
+    """A turn in the queue whose position the engine reports as `ahead`."""
+
+    status = "queued"
+
+    def __init__(self, ahead: int | None) -> None:
+        self.ahead = ahead
+
+    def queue_position(self) -> int | None:
+        return self.ahead
+
+
+class Engine:
+    """An engine with `running` of `max_num_seqs` slots busy; a slot frees every 2 s."""
+
+    def __init__(self, running: int, max_num_seqs: int = 4) -> None:
+        self.running, self.max_num_seqs = running, max_num_seqs
+
+    def stats(self) -> object:
+        return SimpleNamespace(running=self.running)
+
+    def wait_estimate(self, ahead: int) -> float:
+        return 2.0 * (ahead + 1)
+
+
+def test_the_status_never_counts_below_zero_and_says_waiting_only_when_something_waits() -> None:
+    """Issue 56: an idle server said "Waiting for a free slot (about 13 s)…" for the step
+    before its reply started, and once "Waiting: -1 ahead of you"."""
+    idle, full = Engine(running=0), Engine(running=4)
+    now = time.monotonic()
+    assert turn_status(Queued(0), idle, now) == ""  # admitted at the next step: no word
+    assert turn_status(Queued(-1), idle, now) == ""  # the engine's count, one below zero
+    assert turn_status(Queued(-1), full, now) == "Waiting for a free slot (about 2 s)…"
+    assert turn_status(Queued(0), idle, now - 5) == "Waiting for a free slot…"  # it did wait
+    assert turn_status(Queued(2), idle, now) == "Waiting: 2 ahead of you (about 6 s)…"
+    assert turn_status(Queued(None), full, now) == ""  # admitted meanwhile
+    assert turn_status(SimpleNamespace(status="generating"), full, now) == ""
+    assert turn_status(SimpleNamespace(status="restoring"), idle, now).startswith("Restoring")
 
 
 def test_users_file_hashes_and_checks_passwords(tmp_path: Path, monkeypatch) -> None:
@@ -100,10 +144,10 @@ def test_signed_in_user_sees_their_conversations_from_any_browser(
     auth.main([str(users), "ann"])
     with running_server(nf4_model, tmp_path / "data", auth_file=users) as (url, _, sm):
         laptop = Client(url, auth=("ann", "s3cret-pass"), verbose=False)
-        laptop.predict("Remember the word banana.", "", 0.0, 1.0, 16, api_name="/on_send")
+        laptop.predict("Remember the word banana.", "", 0.0, 1.0, 16, 1.0, api_name="/on_send")
         phone = Client(url, auth=("ann", "s3cret-pass"), verbose=False)
-        convos, history, _system = phone.predict(api_name="/on_load")
-        assert len(convos["choices"]) == 1
+        history, _status, _system, listing, *_ = phone.predict(api_name="/on_load")
+        assert len(listing["items"]) == 1
         assert "banana" in str(history)
         assert sm.list_sessions("user:ann")
         with pytest.raises(Exception):  # noqa: B017 - gradio_client raises its own type
@@ -118,17 +162,17 @@ def test_a_conversation_keeps_its_system_prompt_across_reload_switch_and_new_cha
     screen = Screen()
 
     def send(message: str, sid: str | None, system: str) -> str:
-        *_, last = page.on_send(message, sid, False, system, 0.0, 1.0, 8, 1.0, screen, me)
+        *_, last = page.on_send(message, sid, None, system, 0.0, 1.0, 8, 1.0, screen, me)
         return last[3]
 
     pirate = send("Hello there.", None, "You are a pirate.")
     # a reload: the box shows the conversation's own prompt, so the next Send keeps it
-    _convos, sid, _history, system = page.on_load(Screen(), me)
+    sid, _history, _status, system, *_ = page.on_load(Screen(), me)
     assert (sid, system) == (pirate, "You are a pirate.")
     send("And again.", sid, system)
     assert sm.get_session(owner, pirate)["system_prompt"] == "You are a pirate."
     # "New chat" empties the box; the new conversation keeps its own (empty) prompt
-    assert page.on_new(screen)[4] == ""
+    assert page.on_new(screen, me)[3] == ""
     plain = send("Hi.", None, "")
     assert page.on_select(pirate, screen, me)[3] == "You are a pirate."
     assert page.on_select(plain, screen, me)[3] == ""
@@ -145,7 +189,7 @@ def test_a_reply_paints_only_while_its_conversation_is_on_screen(on_page: tuple)
     stream = page.on_send(
         "Write a long story about a lighthouse keeper.",
         None,
-        False,
+        None,
         "",
         0.0,
         1.0,
@@ -164,7 +208,7 @@ def test_a_reply_paints_only_while_its_conversation_is_on_screen(on_page: tuple)
     assert opened[0] == other
     away = [next(stream) for _ in range(3)]
     assert away[0][0] == opened[1] and away[0][3] == other, away[0]
-    assert all(out == (gr.skip(),) * 6 for out in away[1:]), away
+    assert all(out == (gr.skip(),) * 9 for out in away[1:]), away
     # back again: the reply so far, then the rest, paint again, into this conversation
     page.on_select(sid, screen, me)
     back = list(stream)
@@ -176,7 +220,7 @@ def test_a_reply_paints_only_while_its_conversation_is_on_screen(on_page: tuple)
     assert len(sm.messages(owner, other)) == 2
 
 
-def sent(page: ChatPage, request: gr.Request, message: str, sid: str | None, editing: bool):
+def sent(page: ChatPage, request: gr.Request, message: str, sid: str | None, editing: int | None):
     """Every update of one Send (greedy, 8 tokens), as the page shows them."""
     return list(page.on_send(message, sid, editing, "", 0.0, 1.0, 8, 1.0, Screen(), request))
 
@@ -185,12 +229,15 @@ def test_an_edit_the_engine_refuses_goes_back_into_the_box_with_the_reason(on_pa
     """An edit is written only once the engine takes it: refused (here: the engine stopped),
     the page had cleared the box and left editing, and the text was nowhere."""
     engine, sm, page, owner, me = on_page
-    sid = sent(page, me, "Name a colour.", None, False)[-1][3]
+    sid = sent(page, me, "Name a colour.", None, None)[-1][3]
     before = sm.messages(owner, sid)
+    mine = before[0]["id"]
     engine.shutdown()
-    chatbot, status, box, _sid, _convos, editing = sent(page, me, "Name a fruit.", sid, True)[-1]
-    assert status.startswith("Error:") and "shutting down" in status
-    assert box == "Name a fruit." and editing is True
+    chatbot, status, box, _sid, _convos, editing, *_ = sent(page, me, "Name a fruit.", sid, mine)[
+        -1
+    ]
+    assert status.startswith("Error:") and "shutting down" in status and "Send tries" in status
+    assert box == "Name a fruit." and editing == mine
     assert [m["content"] for m in chatbot] == [m["content"] for m in before]
     assert sm.messages(owner, sid) == before
     assert not sm._active  # the session is free for the next try
@@ -212,10 +259,10 @@ def test_a_conversation_deleted_as_its_turn_starts_leaves_no_turn_holding_the_us
     monkeypatch.setattr(sm, "chat", chat_then_deleted_elsewhere)
     for _ in range(sm.config.max_turns_per_user + 1):
         sid = sm.create_session(owner)["id"]
-        (_chatbot, status, *_), *rest = sent(page, me, "Hello.", sid, False)
+        (_chatbot, status, *_), *rest = sent(page, me, "Hello.", sid, None)
         assert status.startswith("Error:") and not rest
     monkeypatch.setattr(sm, "chat", real_chat)
-    *_, (chatbot, status, _box, sid, _convos, _editing) = sent(page, me, "Hi.", None, False)
+    *_, (chatbot, status, _box, sid, *_rest) = sent(page, me, "Hi.", None, None)
     assert status == "" and chatbot[-1]["role"] == "assistant" and chatbot[-1]["content"]
     assert not sm._active
 
@@ -228,23 +275,35 @@ def test_a_reply_ending_as_the_user_leaves_does_not_leave_the_list_on_it(on_page
     screen = Screen()
     other = sm.create_session(owner)["id"]
     sm.store.add_message(other, "user", "an older question")
-    stream = page.on_send("Hi.", None, False, "", 0.0, 1.0, 4, 1.0, screen, me)
-    *_, end = list(stream)  # ended while still on screen: the list selects the reply's
-    assert end[4]["value"] == end[3]
+    stream = page.on_send("Hi.", None, None, "", 0.0, 1.0, 4, 1.0, screen, me)
+    *_, end = list(stream)  # ended while still on screen: the list marks the reply's
+    assert end[4]["open"] == end[3]
     opened = page.on_select(other, screen, me)  # the click, answered after the end
-    assert opened[0] == other and opened[4] == gr.update(value=other)
+    assert opened[0] == other and opened[4]["open"] == other
 
 
 def test_every_event_that_changes_the_screen_refreshes_each_part_of_it_once(
     on_page: tuple,
 ) -> None:
-    """The follow-ups of an event (branch bar, sliders, export links, share links, usage) are
-    chained once each: twice would run each refresh twice."""
+    """The follow-ups of an event (sliders, usage) are chained once each: twice would run
+    each refresh twice."""
     from collections import Counter
 
     from ui.chat_blocks import build_chat_blocks
 
     _engine, _sm, page, _owner, _me = on_page
     names = Counter(fn.name for fn in build_chat_blocks(page, 4).fns.values())
-    follow_ups = {n: names[n] for n in ("render", "on_show", "on_links", "on_list", "on_usage")}
-    assert len(set(follow_ups.values())) == 1 and follow_ups["render"] > 1, follow_ups
+    follow_ups = {n: names[n] for n in ("on_show", "on_usage")}
+    assert len(set(follow_ups.values())) == 1 and follow_ups["on_show"] > 1, follow_ups
+
+
+def test_the_chats_own_clear_deletes_the_conversation_for_real(on_page: tuple) -> None:
+    """Issue 56, defect 2: Gradio's clear (its trash icon) only emptied the chat on screen;
+    the conversation stayed, and its next reply was answered with the hidden history."""
+    _engine, sm, page, owner, me = on_page
+    screen = Screen()
+    sid = sent(page, me, "Hi.", None, None)[-1][3]
+    screen.sid = sid
+    shown_sid, chatbot, _status, _system, listing, *_ = page.on_clear(screen, me)
+    assert shown_sid is None and chatbot == [] and listing["items"] == []
+    assert sm.list_sessions(owner) == [] and sm.store.get_session(sid) is None

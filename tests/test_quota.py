@@ -13,7 +13,7 @@ from engine.model.loader import LoadedModel
 from sessions.errors import RateLimited
 from tests.conftest import close_sessions, make_sessions
 from tests.transfer_rig import crowdchat_export
-from ui.usage_line import usage_text
+from ui.status_line import usage_text
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=4)
 

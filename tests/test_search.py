@@ -8,6 +8,7 @@ import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
+import gradio as gr
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -21,7 +22,7 @@ from sessions.search import MAX_QUERY_CHARS, fts_query
 from sessions.store import Store
 from tests.conftest import close_sessions, make_sessions
 from tests.web import bearer
-from ui.search_section import MARKS, SearchSection
+from ui.conversation_list import MARKS, ConversationList
 
 WORDS = "apple banana cherry damson elder fig grape hazel".split()
 
@@ -177,14 +178,21 @@ def test_the_page_opens_a_hit_on_another_branch_with_it_on_the_path(served) -> N
     ask = sm.store.add_message(sid, "user", "how do walnuts grow?")
     old = sm.store.add_message(sid, "assistant", "on tall trees, slowly", parent_id=ask)
     sm.store.add_message(sid, "assistant", "in green husks", parent_id=ask)  # now selected
-    search = SearchSection(page)
-    hits, status = search.on_search("slowly", Req("ann"))
-    assert status == "" and hits["visible"]
-    ((label, value),) = hits["choices"]
-    assert value == f"{sid}:{old}" and f"{MARKS[0]}slowly{MARKS[1]}" in label
-    assert search.on_search("slowly", Req("bob"))[0]["choices"] == []  # not Bob's
-    shown_sid, chatbot, status, _system, convos = search.on_open(value, Screen(), Req("ann"))
-    assert shown_sid == sid and status == "" and convos["value"] == sid
+    convos = ConversationList(page)
+
+    def find(text: str, user: str) -> tuple:
+        return convos.on_find(gr.EventData(None, {"text": text}), Screen(), Req(user))
+
+    listing, status = find("slowly", "ann")
+    assert status == "" and listing["query"] == "slowly"
+    (hit,) = listing["hits"]  # each conversation once, with its best match
+    assert (hit["id"], hit["message"], hit["where"]) == (sid, old, "reply")
+    assert f"{MARKS[0]}slowly{MARKS[1]}" in hit["snippet"] and hit["title"] == "Walnuts"
+    assert find("slowly", "bob")[0]["hits"] == []  # not Bob's
+    assert find("", "ann")[0]["hits"] is None  # an empty box: the list again
+    pick = gr.EventData(None, {"id": sid, "message": old})
+    shown_sid, chatbot, status, _system, listing, *_ = convos.on_pick(pick, Screen(), Req("ann"))
+    assert shown_sid == sid and status == "" and listing["open"] == sid
     assert chatbot[-1]["content"] == "on tall trees, slowly"
     assert sm.messages(owner, sid)[-1]["id"] == old  # the next turn follows it too
-    assert search.on_open(f"{sid}:{old}", Screen(), Req("bob"))[2].startswith("Error")
+    assert convos.on_pick(pick, Screen(), Req("bob"))[2].startswith("Error")

@@ -12,7 +12,8 @@ from sessions import RateLimited
 from tests.conftest import close_sessions, make_sessions
 from tests.web import bearer, running_server
 from ui.chat_page import ChatPage
-from ui.usage_line import UsageLine, usage_text
+from ui.settings_dialog import SettingsDialog
+from ui.status_line import near_limit, usage_text
 
 
 def test_the_usage_line_says_where_a_user_stands_and_when_tokens_free() -> None:
@@ -28,6 +29,10 @@ def test_the_usage_line_says_where_a_user_stands_and_when_tokens_free() -> None:
     )
     off = {**u, "tokens_per_minute": 0, "max_turns_per_user": 0, "max_sessions_per_user": 0}
     assert usage_text(off) == ""
+    # under the composer only near a limit (the settings dialog shows it always)
+    assert near_limit(u) and not near_limit(off)
+    calm = {**u, "tokens_used": 100, "tokens_reserved": 0}
+    assert not near_limit(calm) and near_limit({**calm, "conversations": 190})
 
 
 def test_a_limited_user_sees_the_tokens_that_limit_them(nf4_model: LoadedModel, tmp_path) -> None:  # noqa: ANN001
@@ -47,7 +52,8 @@ def test_a_limited_user_sees_the_tokens_that_limit_them(nf4_model: LoadedModel, 
             username, headers, cookies, request = "amy", {}, {}, None
 
         sm.create_session("user:amy")
-        assert UsageLine(page).on_usage(Req()).endswith("1 of 200 conversations")
+        shown, near = SettingsDialog(page).on_usage(Req())
+        assert shown.endswith("1 of 200 conversations") and near == ""  # far from any limit
     finally:
         close_sessions(engine, sm)
 

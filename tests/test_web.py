@@ -45,11 +45,12 @@ def test_three_clients_chat_at_once_and_see_only_their_own(server: tuple) -> Non
             0.0,
             1.0,
             96,
+            1.0,
             api_name="/on_send",
         )
         results[i] = reply_text(out[0])
         follow = client.predict(
-            "Thanks! One more sentence please.", "", 0.0, 1.0, 16, api_name="/on_send"
+            "Thanks! One more sentence please.", "", 0.0, 1.0, 16, 1.0, api_name="/on_send"
         )
         results[i] = reply_text(follow[0])
 
@@ -71,10 +72,10 @@ def test_three_clients_chat_at_once_and_see_only_their_own(server: tuple) -> Non
 def test_bad_input_shows_a_message_and_keeps_the_text(server: tuple) -> None:
     url, _, _ = server
     client = Client(url, verbose=False)
-    out = client.predict("   ", "", 0.7, 0.9, 64, api_name="/on_send")
+    out = client.predict("   ", "", 0.7, 0.9, 64, 1.0, api_name="/on_send")
     assert "type a message" in out[1].lower() or "empty" in out[1].lower()
     big = "x" * 40_000
-    out = client.predict(big, "", 0.7, 0.9, 64, api_name="/on_send")
+    out = client.predict(big, "", 0.7, 0.9, 64, 1.0, api_name="/on_send")
     assert "limit" in out[1]
     # past a slider's range (an API caller can send anything): Gradio refuses it by name
     with pytest.raises(AppError, match="greater than maximum value 2"):
@@ -134,6 +135,7 @@ def test_a_client_that_goes_away_frees_its_slot(server: tuple) -> None:
         0.0,
         1.0,
         2000,
+        1.0,
         api_name="/on_send",
     )
     deadline = time.time() + 60

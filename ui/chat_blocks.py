@@ -1,17 +1,34 @@
-"""The chat page's layout and event wiring (handlers live in ui.chat_page)."""
+"""The chat page put together: a sidebar (New chat, search, the conversations by day, each
+with its menu), the chat with actions on each message, a status line that speaks only while a
+reply waits, the composer, and the settings and share dialogs. Each component builds its own
+blocks (ui/sidebar.py, ui/conversation_list.py, ui/header.py, ui/message_actions.py,
+ui/composer.py, ui/settings_dialog.py, ui/share_dialog.py); the events that join them are
+wired here, in one place, as Gradio's ChatInterface does in `_setup_events`."""
 
 from __future__ import annotations
 
 import gradio as gr
 
-from ui.branch_bar import BranchBar
 from ui.chat_page import ChatPage, Screen
-from ui.keys_page import KeysSection, build_keys_section
-from ui.search_section import SearchSection
-from ui.settings_section import SettingsSection
-from ui.share_section import ShareSection
-from ui.transfer_section import TransferSection, export_links
-from ui.usage_line import UsageLine
+from ui.composer import build_composer
+from ui.conversation_list import ConversationList, wire_conversation_list
+from ui.header import build_header
+from ui.keys_page import KeysSection
+from ui.message_actions import MessageActions, build_message_actions
+from ui.settings_dialog import SettingsDialog, build_settings_dialog
+from ui.share_dialog import ShareDialog, build_share_dialog
+from ui.sidebar import build_sidebar
+from ui.transfer_section import TransferSection
+
+# inline $…$ and \(…\), display $$…$$ and \[…\], as KaTeX's auto-render takes them (the longer
+# delimiter first, so $$ is not read as two $)
+LATEX = [
+    {"left": "$$", "right": "$$", "display": True},
+    {"left": "\\[", "right": "\\]", "display": True},
+    {"left": "\\(", "right": "\\)", "display": False},
+    {"left": "$", "right": "$", "display": False},
+]
+QUIET = {"concurrency_limit": None, "show_progress": "hidden"}
 
 
 def build_chat_blocks(
@@ -19,228 +36,97 @@ def build_chat_blocks(
 ) -> gr.Blocks:
     """The chat page. `concurrency`: how many users may generate at once (the engine's
     batch size), instead of Gradio's default of one event at a time. `keys`: the API keys
-    section for signed-in users. `share_links`: the share box (--share-links not off)."""
-    with gr.Blocks(title="crowdchat") as demo:
+    section for signed-in users. `share_links`: the share dialog (--share-links not off)."""
+    with gr.Blocks(title="crowdchat", fill_height=True, fill_width=True) as demo:
         sid = gr.State(None)
-        editing = gr.State(False)
+        editing = gr.State(None)  # the message whose refused edit is back in the box
         screen = gr.State(Screen())  # a copy per tab: which conversation it shows
-        with gr.Row(equal_height=False, elem_id="layout"):
-            with gr.Column(scale=1, min_width=220, elem_id="sidebar"):
-                gr.Markdown("## crowdchat", elem_id="brand")
-                new_btn = gr.Button("+ New chat", variant="primary", elem_id="new-chat")
-                find = gr.Textbox(
-                    placeholder="Search your conversations",
-                    show_label=False,
-                    max_lines=1,
-                    elem_id="search",
-                )
-                hits = gr.Radio(choices=[], label="Found", visible=False, elem_id="search-hits")
-                convos = gr.Radio(choices=[], label="Your conversations", elem_id="convos")
-                with gr.Accordion("Rename or delete", open=False):
-                    title = gr.Textbox(label="New title", max_lines=1)
-                    with gr.Row():
-                        rename_btn = gr.Button("Rename", size="sm")
-                        delete_btn = gr.Button("Delete", size="sm", variant="stop")
-                with gr.Accordion(
-                    "Share a read-only link", open=False, elem_id="share", visible=share_links
-                ):
-                    share_btn = gr.Button("Create a link", size="sm", elem_id="share-create")
-                    share_link = gr.Textbox(
-                        label="Link (a copy of the conversation as it is now)",
-                        interactive=False,
-                        buttons=["copy"],
-                        elem_id="share-link",
-                    )
-                    share_list = gr.Dropdown(
-                        choices=[],
-                        label="Live links",
-                        elem_id="share-list",
-                        allow_custom_value=False,
-                    )
-                    revoke_btn = gr.Button("Revoke", size="sm", elem_id="share-revoke")
-                with gr.Accordion("Export or import", open=False, elem_id="transfer"):
-                    links = gr.HTML(export_links(None), elem_id="export")
-                    upload = gr.UploadButton(
-                        "Import a file (.json)",
-                        file_types=[".json"],
-                        type="filepath",
-                        size="sm",
-                        elem_id="import",
-                    )
-            with gr.Column(scale=4, min_width=320):
-                chatbot = gr.Chatbot(
-                    label="Chat",
-                    elem_id="chatbot",
-                    height="62vh",
-                    buttons=["copy"],
-                    placeholder="Say hello to start a conversation.",
-                )
-                with gr.Row(visible=False, elem_id="branches") as branch_row:
-                    prev_btn = gr.Button("‹", size="sm", min_width=40, elem_id="branch-prev")
-                    branch_label = gr.Markdown("", elem_id="branch-label")
-                    next_btn = gr.Button("›", size="sm", min_width=40, elem_id="branch-next")
-                status = gr.Markdown("", elem_id="status")
-                usage = gr.Markdown("", elem_id="usage")
-                with gr.Row(elem_id="composer"):
-                    box = gr.Textbox(
-                        placeholder="Type a message…",
-                        show_label=False,
-                        scale=8,
-                        lines=1,
-                        max_lines=8,
-                        elem_id="message",
-                        autofocus=True,
-                    )
-                    send_btn = gr.Button("Send", variant="primary", scale=1, elem_id="send")
-                    stop_btn = gr.Button("Stop", variant="stop", scale=1, elem_id="stop")
-                with gr.Row():
-                    regen_btn = gr.Button("↻ Regenerate", size="sm", elem_id="regenerate")
-                    edit_btn = gr.Button("✎ Edit last message", size="sm", elem_id="edit")
-                with gr.Accordion("Settings", open=False, elem_id="settings"):
-                    system = gr.Textbox(
-                        label="System prompt",
-                        lines=2,
-                        elem_id="system",
-                        info="Kept with this conversation.",
-                        placeholder="e.g. You are a concise assistant.",
-                    )
-                    temperature = gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature")
-                    top_p = gr.Slider(0.05, 1, value=0.9, step=0.05, label="Top-p")
-                    max_tokens = gr.Slider(
-                        16, 2048, value=512, step=16, label="Max new tokens", elem_id="max-tokens"
-                    )
-                    repetition = gr.Slider(
-                        1,
-                        2,
-                        value=1,
-                        step=0.05,
-                        label="Repetition penalty",
-                        info="Above 1 curbs replies that loop (1: off).",
-                        elem_id="repetition",
-                    )
-                if keys is not None:
-                    build_keys_section(keys, demo)
+        side = build_sidebar()
+        with gr.Column(elem_id="main", scale=1):
+            header = build_header(page.sm.engine.model_id)
+            chatbot = gr.Chatbot(
+                show_label=False,
+                elem_id="chatbot",
+                buttons=["copy"],
+                editable="user",
+                latex_delimiters=LATEX,
+                group_consecutive_messages=False,
+                placeholder="## How can I help you today?",
+                scale=1,
+                height=None,
+                min_height=160,
+            )
+            actions = build_message_actions()
+            status = gr.Markdown("", elem_id="status")
+            usage_near = gr.Markdown("", elem_id="usage-near")
+            composer = build_composer()
+        gr.HTML('<div class="cc-backdrop"></div>', apply_default_css=False, elem_id="backdrop")
+        settings_parts = build_settings_dialog(keys, demo)
+        share = build_share_dialog() if share_links else None
 
-        turn_outputs = [chatbot, status, box, sid, convos, editing]
-        bar = BranchBar(page)
-        bar_outputs = [branch_row, branch_label]
+        sampling = settings_parts.sampling
+        system = settings_parts.system
+        box, send_btn, stop_btn = composer.box, composer.send, composer.stop
+        convos = side.convos
+        meta = actions
+        # what opening a conversation (or a new one) paints: ChatPage.show's outputs
+        shown = [sid, chatbot, status, system, convos, send_btn, stop_btn, editing, meta]
+        # what a turn paints as it streams: ChatPage._stream's outputs
+        turn = [chatbot, status, box, sid, convos, editing, send_btn, stop_btn, meta]
+        settings = SettingsDialog(page)
 
-        sampling = [temperature, top_p, max_tokens, repetition]
-        settings = SettingsSection(page)
-        transfer = TransferSection(page)
-        sharing = ShareSection(page)
-        usage_line = UsageLine(page)
-
-        def then_bar(event: object) -> None:
-            """After the event (a whole streamed turn included), the switcher shows the
-            branches of what is now on screen, the sliders its settings, the export and share
-            boxes it, and the usage line where the user stands."""
+        def then_refresh(event: object) -> None:
+            """After the event (a whole streamed turn included), the sliders show the
+            settings of what is now on screen and the usage line where the user stands."""
             # "always_last": a second trigger while one is pending (opening two conversations
             # quickly) runs after it, on the newest state, instead of being dropped ("once")
-            quiet = {
-                "concurrency_limit": None,
-                "show_progress": "hidden",
-                "trigger_mode": "always_last",
-            }
-            event.then(  # type: ignore[attr-defined]
-                bar.render,
-                [sid, screen],
-                bar_outputs,
-                concurrency_limit=None,
-                trigger_mode="always_last",
-            )
+            quiet = {**QUIET, "trigger_mode": "always_last"}
             event.then(settings.on_show, [sid, screen], sampling, **quiet)  # type: ignore[attr-defined]
-            event.then(transfer.on_links, [sid], [links], **quiet)  # type: ignore[attr-defined]
-            if share_links:
-                event.then(sharing.on_list, [sid], [share_list], **quiet)  # type: ignore[attr-defined]
-            event.then(usage_line.on_usage, None, [usage], **quiet)  # type: ignore[attr-defined]
+            event.then(settings.on_usage, None, [settings_parts.usage, usage_near], **quiet)  # type: ignore[attr-defined]
 
-        send_inputs = [box, sid, editing, system, *sampling, screen]
         # "multiple": a reply still running in a conversation the user left must not block
         # Send in the one they opened (a second Send in a busy one is refused by the session)
+        turns = {
+            "concurrency_limit": concurrency,
+            "concurrency_id": "turns",
+            "show_progress": "hidden",
+            "trigger_mode": "multiple",
+        }
         for trigger in (box.submit, send_btn.click):
-            sent = trigger(
-                page.on_send,
-                send_inputs,
-                turn_outputs,
-                concurrency_limit=concurrency,
-                concurrency_id="turns",
-                show_progress="hidden",
-                trigger_mode="multiple",
+            then_refresh(
+                trigger(page.on_send, [box, sid, editing, system, *sampling, screen], turn, **turns)
             )
-            then_bar(sent)
-        regenerated = regen_btn.click(
-            page.on_regenerate,
-            [sid, *sampling, screen],
-            turn_outputs,
-            concurrency_limit=concurrency,
-            concurrency_id="turns",
-            show_progress="hidden",
-            trigger_mode="multiple",
+        stop_btn.click(page.on_stop, [sid], None, **QUIET)
+        handlers = MessageActions(page)
+        then_refresh(chatbot.edit(handlers.on_edit, [sid, *sampling, screen], turn, **turns))
+        then_refresh(
+            actions.regenerate(handlers.on_regenerate, [sid, *sampling, screen], turn, **turns)  # type: ignore[attr-defined]
         )
-        then_bar(regenerated)
-        for btn, handler in ((prev_btn, bar.on_prev), (next_btn, bar.on_next)):
-            btn.click(
-                handler,
-                [sid, screen],
-                [chatbot, status, *bar_outputs],
-                concurrency_limit=None,
-                show_progress="hidden",
-            )
-        chatbot.select(bar.on_pick, [sid, screen], bar_outputs, concurrency_limit=None)
+        actions.branch(handlers.on_branch, [sid, screen], [chatbot, status, meta], **QUIET)  # type: ignore[attr-defined]
+        # Gradio's own clear (its trash icon, hidden by static/chat.css) deletes for real
+        then_refresh(chatbot.clear(page.on_clear, [screen], shown, **QUIET))
+        for new in (side.new_chat, header.new_chat):
+            then_refresh(new.click(page.on_new, [screen], shown, **QUIET))
+        wire_conversation_list(convos, ConversationList(page), screen, shown, status, then_refresh)
         for slider in sampling:  # released, not every step of a drag: each change is a write
-            slider.release(
-                settings.on_change,
-                [sid, *sampling],
-                [status],
-                concurrency_limit=None,
-                show_progress="hidden",
+            slider.release(settings.on_change, [sid, *sampling], [status], **QUIET)
+        transfer = TransferSection(page)
+        settings_parts.upload.upload(
+            transfer.on_import, [settings_parts.upload, screen], [convos, status], **QUIET
+        )
+        if share is not None:
+            sharing = ShareDialog(page)
+            opened = convos.share(  # type: ignore[attr-defined]
+                sharing.on_share, None, [share.sid, share.title, share.link, share.links, status]
             )
-        stop_btn.click(page.on_stop, [sid], None, concurrency_limit=None, show_progress="hidden")
-        edit_btn.click(page.on_edit, [sid], [box, editing, status], concurrency_limit=None)
-        then_bar(
-            new_btn.click(
-                page.on_new,
-                [screen],
-                [sid, chatbot, status, convos, system],
-                concurrency_limit=None,
+            opened.then(None, js="() => window.crowdchat.openDialog('share')")
+            share.revoke.click(
+                sharing.on_revoke, [share.sid, share.links], [share.link, share.links, status]
             )
-        )
-        selected = convos.input(
-            page.on_select,
-            [convos, screen],
-            [sid, chatbot, status, system, convos],
-            concurrency_limit=None,
-        )
-        then_bar(selected)
-        search = SearchSection(page)
-        find.submit(search.on_search, [find], [hits, status], concurrency_limit=None)
-        then_bar(
-            hits.input(
-                search.on_open,
-                [hits, screen],
-                [sid, chatbot, status, system, convos],
-                concurrency_limit=None,
-            )
-        )
-        upload.upload(transfer.on_import, [upload], [convos, status], concurrency_limit=None)
-        share_outputs = [share_link, share_list, status]
-        share_btn.click(sharing.on_create, [sid], share_outputs, concurrency_limit=None)
-        revoke_btn.click(
-            sharing.on_revoke, [sid, share_list], share_outputs, concurrency_limit=None
-        )
-        rename_btn.click(page.on_rename, [sid, title], [convos, title], concurrency_limit=None)
-        deleted = delete_btn.click(
-            page.on_delete,
-            [sid, screen],
-            [sid, chatbot, convos, system],
-            concurrency_limit=None,
-        )
-        loaded = demo.load(
-            page.on_load, [screen], [convos, sid, chatbot, system], concurrency_limit=None
-        )
-        for event in (deleted, loaded):
-            then_bar(event)
+        loaded = demo.load(page.on_load, [screen], shown, **QUIET)
+        then_refresh(loaded)
         # a mark the browser tests wait for: a Send before the load ran could be painted over
         loaded.then(None, js="() => { document.body.dataset.crowdchatLoaded = '1'; }")
+    for fn in demo.fns.values():
+        fn.show_progress = "hidden"  # no Gradio progress text anywhere on the page
     return demo

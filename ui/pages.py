@@ -6,10 +6,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from types import SimpleNamespace
+from urllib.parse import parse_qs, urlencode
 
 import gradio as gr
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, RedirectResponse
 from starlette.routing import Mount
 
 from doors.config import AppConfig
@@ -29,6 +30,40 @@ from ui.users_admin import UsersAdmin
 
 log = logging.getLogger("crowdchat")
 STATIC = Path(__file__).resolve().parent.parent / "static"
+# Gradio's chrome is no part of the product, on any page: its footer ("Use via API" lists the
+# pages' internal events, not the /v1 API; "Settings" is Gradio's developer panel) and its run
+# history, which kept conversation text in the browser's localStorage for the next person at
+# that computer (run_history=False also deletes what an older version left there)
+NO_CHROME = {"footer_links": [], "run_history": False}
+GRADIO_VIEWS = ("view",)  # ?view=settings opens Gradio's settings panel whatever the footer
+
+
+def unlisted(blocks: gr.Blocks) -> None:
+    """Every event of `blocks` off Gradio's API listing (/gradio_api/info): they are the
+    page's own wiring. Still callable, as the page itself calls them."""
+    for fn in blocks.fns.values():
+        if fn.api_visibility == "public":
+            fn.api_visibility = "undocumented"
+
+
+class NoGradioViews:
+    """ASGI middleware: a page address with Gradio's `?view=` (its settings panel, its API
+    page) is sent to the page itself."""
+
+    def __init__(self, app: object) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: object, send: object) -> None:
+        if scope["type"] == "http" and scope.get("method") == "GET":
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            if any(v in query for v in GRADIO_VIEWS) and not scope["path"].startswith(
+                ("/gradio_api", "/admin/gradio_api")
+            ):
+                kept = urlencode({k: v for k, v in query.items() if k not in GRADIO_VIEWS}, True)
+                where = scope.get("root_path", "") + scope["path"] + (f"?{kept}" if kept else "")
+                await RedirectResponse(where, status_code=303)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)  # type: ignore[operator]
 
 
 def gradio_app(app: FastAPI, path: str) -> object:
@@ -55,7 +90,12 @@ def mount_pages(
     monitor = Monitor(engine, sessions)
     css = [STATIC / "crowdchat.css"]
     admin_password = config.admin_secret()
-    admin_look = {"css_paths": [*css, STATIC / "admin.css"], "theme": "soft", "show_error": False}
+    admin_look = {
+        "css_paths": [*css, STATIC / "admin.css"],
+        "theme": "soft",
+        "show_error": False,
+        **NO_CHROME,
+    }
     if users is not None and admin_password:
         log.warning("the admin password is ignored with --auth: /admin is for admin users")
     if users is not None or admin_password:
@@ -100,6 +140,7 @@ def mount_pages(
         max_size=engine.max_queue + engine.max_num_seqs,
     )
     poll_less(chat)
+    unlisted(chat)
     # Gradio deletes uploads older than --upload-keep-s, imported or not (Blocks.delete_cache)
     chat.delete_cache = (min(60, config.upload_keep_s), config.upload_keep_s)
     # Gradio's sign-ins never end by themselves: each gets an age limit and is bound to the
@@ -110,9 +151,11 @@ def mount_pages(
         app,
         chat,
         path="",
-        css_paths=css,
+        css_paths=[*css, STATIC / "chat.css"],
+        js=(STATIC / "crowdchat.js").read_text(encoding="utf-8"),
         theme="soft",
         show_error=False,
+        **NO_CHROME,
         auth=(
             sign_ins.bind(throttle.guard(users_checker(users, sessions.store.users.signed_in)))
             if users is not None
@@ -125,4 +168,5 @@ def mount_pages(
     if users is None and admin_password:  # the admin page's own sign-in
         gradio_app(app, "/admin").tokens = SignIns(max_age)  # type: ignore[attr-defined]
     doors.sign_ins = sign_ins
+    app.add_middleware(NoGradioViews)
     return app, monitor

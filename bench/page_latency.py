@@ -1,0 +1,203 @@
+"""The chat page against the API on the same server: time from starting app.py to a usable page,
+and first token and streamed tokens/s through the page (Gradio's queue and SSE, the page's own
+handler, as a browser gets them; read here by gradio_client) against the OpenAI-compatible API,
+at 1 and N users, alternated round by round so that a busy machine hurts both alike.
+
+Prints one JSON object per round and a summary with the ranges (min-max over the rounds).
+The page may add at most 50 ms to the first token and must not halve the API's tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: bench/ is then first on the path, not the root
+
+from bench.server import PROXY_ARGS, free_port  # noqa: E402
+from bench.stream_client import ReplyCount, client_headers  # noqa: E402
+
+PROMPT = "Write a long story about a lighthouse keeper and her cat."
+
+
+def start(data: Path, port: int) -> tuple[subprocess.Popen, float, float]:
+    """app.py on `port`; seconds until the API answers and until a browser has a usable page
+    (the page's load handler ran: it marks the body)."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.browser_rig import CHROMIUM, FLAGS
+
+    t0 = time.monotonic()
+    cmd = [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--data-dir", str(data)]
+    proc = subprocess.Popen(
+        [*cmd, *PROXY_ARGS], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    base = f"http://127.0.0.1:{port}"
+    api = None
+    while api is None:
+        if proc.poll() is not None:
+            raise SystemExit("crowdchat exited while starting")
+        try:
+            if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
+                api = time.monotonic() - t0
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        page = browser.new_page()
+        page.goto(base + "/")
+        page.wait_for_function("() => document.body.dataset.crowdchatLoaded === '1'")
+        usable = time.monotonic() - t0
+        browser.close()
+    return proc, api, usable
+
+
+async def api_user(base: str, key: str, tokens: int) -> dict:
+    body = {
+        "messages": [{"role": "user", "content": PROMPT}],
+        "stream": True,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream_options": {"include_usage": True},
+    }
+    count = ReplyCount()
+    first = None
+    async with httpx.AsyncClient(timeout=300) as http:
+        t0 = time.perf_counter()
+        async with http.stream(
+            "POST", base + "/v1/chat/completions", json=body, headers=client_headers(key)
+        ) as r:
+            async for line in r.aiter_lines():
+                if count.feed(line) and first is None:
+                    first = time.perf_counter()
+        end = time.perf_counter()
+    return _point(t0, first, end, count.tokens)
+
+
+def page_user(base: str, tokens: int, out: list, barrier: threading.Barrier) -> None:
+    """One browser identity on the page: a new chat, the same prompt, greedy."""
+    from gradio_client import Client
+
+    client = Client(base, verbose=False)
+    barrier.wait()
+    t0 = time.perf_counter()
+    job = client.submit(PROMPT, "", 0.0, 1.0, tokens, 1.0, api_name="/on_send")
+    first = None
+    last = None
+    for update in job:
+        chat = update[0]
+        if chat and chat[-1]["role"] == "assistant" and _text(chat[-1]) and first is None:
+            first = time.perf_counter()
+        last = update
+    end = time.perf_counter()
+    meta = last[-1] if last else {}
+    stats = (meta.get("items") or [{}])[-1].get("stats", "") if isinstance(meta, dict) else ""
+    n = int(stats.split(" ")[0]) if stats and stats.split(" ")[0].isdigit() else 0
+    out.append(_point(t0, first, end, n))
+    client.close()
+
+
+def _text(message: dict) -> str:
+    content = message["content"]
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content)
+    return str(content)
+
+
+def _point(t0: float, first: float | None, end: float, tokens: int) -> dict:
+    ttft = (first - t0) if first else None
+    speed = (tokens - 1) / (end - first) if first and tokens > 1 and end > first else None
+    return {"ttft_ms": round(ttft * 1000, 1) if ttft else None, "tokens": tokens, "tps": speed}
+
+
+def summarize(points: list[dict]) -> dict:
+    ttfts = sorted(p["ttft_ms"] for p in points if p["ttft_ms"] is not None)
+    tps = [p["tps"] for p in points if p["tps"]]
+    return {
+        "ttft_ms_median": ttfts[len(ttfts) // 2] if ttfts else None,
+        "tokens_per_s_mean": round(sum(tps) / len(tps), 1) if tps else None,
+        "tokens": sum(p["tokens"] for p in points),
+    }
+
+
+def round_of(base: str, users: int, tokens: int, path: str) -> dict:
+    if path == "api":
+
+        async def all_users() -> list[dict]:
+            return await asyncio.gather(
+                *(api_user(base, f"bench-{time.time_ns()}-{i}", tokens) for i in range(users))
+            )
+
+        points = asyncio.run(all_users())
+    else:
+        points: list[dict] = []
+        barrier = threading.Barrier(users)
+        threads = [
+            threading.Thread(target=page_user, args=(base, tokens, points, barrier))
+            for _ in range(users)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return summarize(points)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--users", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    data = Path(tempfile.mkdtemp(prefix="crowdchat-page-"))
+    summary: dict[str, object] = {}
+    try:
+        for start_kind in ("first start (empty data dir)", "restart"):
+            proc, api_s, page_s = start(data, free_port())
+            summary[start_kind] = {"api_s": round(api_s, 1), "usable_page_s": round(page_s, 1)}
+            print(json.dumps({start_kind: summary[start_kind]}), flush=True)
+            if start_kind == "restart":
+                break
+            proc.terminate()
+            proc.wait(60)
+        base = f"http://127.0.0.1:{_port(proc)}"
+        round_of(base, 2, 8, "api")  # warm-up: kernels, caches, first Gradio session
+        round_of(base, 2, 8, "page")
+        results: dict[str, dict[str, list[dict]]] = {}
+        for users in args.users:
+            for r in range(args.rounds):
+                for path in ("api", "page") if r % 2 == 0 else ("page", "api"):
+                    got = round_of(base, users, args.tokens, path)
+                    results.setdefault(f"{users} users", {}).setdefault(path, []).append(got)
+                    print(json.dumps({"users": users, "round": r, "path": path, **got}), flush=True)
+        for label, paths in results.items():
+            ranges = {}
+            for path, rounds in paths.items():
+                for key in ("ttft_ms_median", "tokens_per_s_mean"):
+                    values = [x[key] for x in rounds if x[key] is not None]
+                    ranges[f"{path}_{key}"] = [min(values), max(values)] if values else None
+            summary[label] = ranges
+        proc.terminate()
+        proc.wait(60)
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+    print(json.dumps(summary), flush=True)
+
+
+def _port(proc: subprocess.Popen) -> int:
+    return int(proc.args[proc.args.index("--port") + 1])  # type: ignore[union-attr]
+
+
+if __name__ == "__main__":
+    main()
