@@ -227,6 +227,10 @@ class SessionManager(BranchTurns, TurnLife, Transfers):
         """The user opened this conversation: bring its KV back while they type."""
         self.residency.prefetch(sid, self.get_session(owner, sid)["state"])
 
+    def answering(self, sid: str) -> bool:
+        """Whether a reply is being generated in the session now (the page shows Stop)."""
+        return sid in self._active
+
     def stop(self, owner: str, sid: str) -> None:
         """Stop the session's reply; the part already produced is kept."""
         self.get_session(owner, sid)

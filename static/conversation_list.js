@@ -1,7 +1,8 @@
 // The sidebar's conversation list (ui/conversation_list.py), drawn from props.value:
 // {items: [{id, title, t}], open, more, query?, hits?}. Titles and snippets go in as text
 // nodes only. What the user does goes back to Python as this component's events: 'pick',
-// 'rename', 'remove', 'share', 'more' and 'find' (the search box, debounced).
+// 'rename', 'remove', 'share_link', 'more' and 'find' (the search box, debounced). (Not
+// 'share': Gradio's page takes a component's "share" for its own Hugging Face sharing.)
 // Runs as gr.HTML's js_on_load: `element`, `props`, `trigger` and `watch` are Gradio's.
 const find = element.querySelector(".cc-find");
 const list = element.querySelector(".cc-list");
@@ -82,7 +83,7 @@ function menu(item) {
   entry("Share", "cc-share", () => {
     menuFor = null;
     render();
-    trigger("share", { id: item.id });
+    trigger("share_link", { id: item.id });
   });
   link("Export as Markdown", "cc-export-md", `export/${id}.md`);
   link("Export as JSON", "cc-export-json", `export/${id}.json`);

@@ -54,6 +54,26 @@
   };
   window.crowdchat = crowdchat;
 
+  // the header's icon buttons say what they do (Gradio's Button takes no label of its own)
+  const LABELS = {
+    "new-chat-top": "New chat (Ctrl+Shift+O)",
+    "theme-toggle": "Light or dark",
+    "settings-open": "Settings",
+    "settings-close": "Close",
+    "share-close": "Close",
+  };
+  const label = () => {
+    for (const [id, text] of Object.entries(LABELS)) {
+      const b = button(id);
+      if (b) {
+        b.setAttribute("aria-label", text);
+        b.title = text;
+      }
+    }
+  };
+  label();
+  setTimeout(label, 1000);
+
   const saved = localStorage.getItem(THEME_KEY);
   if (saved === "dark" || saved === "light") setTheme(saved);
 

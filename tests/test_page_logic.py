@@ -58,7 +58,7 @@ def test_status_tells_the_user_where_they_are(nf4_model: LoadedModel, tmp_path: 
         want = ["Waiting for a free slot…", "Waiting: 1 ahead of you…"]
 
         def status(t: object) -> str:
-            return turn_status(t, engine, None)  # type: ignore[arg-type]
+            return turn_status(t, engine)  # type: ignore[arg-type]
 
         def shown() -> list[str]:  # the wait estimate aside (from the admission rate)
             return [re.sub(r" \(about \d+ s\)", "", status(t)) for t in waiting]
@@ -109,15 +109,13 @@ def test_the_status_never_counts_below_zero_and_says_waiting_only_when_something
     """Issue 56: an idle server said "Waiting for a free slot (about 13 s)…" for the step
     before its reply started, and once "Waiting: -1 ahead of you"."""
     idle, full = Engine(running=0), Engine(running=4)
-    now = time.monotonic()
-    assert turn_status(Queued(0), idle, now) == ""  # admitted at the next step: no word
-    assert turn_status(Queued(-1), idle, now) == ""  # the engine's count, one below zero
-    assert turn_status(Queued(-1), full, now) == "Waiting for a free slot (about 2 s)…"
-    assert turn_status(Queued(0), idle, now - 5) == "Waiting for a free slot…"  # it did wait
-    assert turn_status(Queued(2), idle, now) == "Waiting: 2 ahead of you (about 6 s)…"
-    assert turn_status(Queued(None), full, now) == ""  # admitted meanwhile
-    assert turn_status(SimpleNamespace(status="generating"), full, now) == ""
-    assert turn_status(SimpleNamespace(status="restoring"), idle, now).startswith("Restoring")
+    assert turn_status(Queued(0), idle) == ""  # admitted at the next step: no word
+    assert turn_status(Queued(-1), idle) == ""  # the engine's count, one below zero
+    assert turn_status(Queued(-1), full) == "Waiting for a free slot (about 2 s)…"
+    assert turn_status(Queued(2), idle) == "Waiting: 2 ahead of you (about 6 s)…"
+    assert turn_status(Queued(None), full) == ""  # admitted meanwhile
+    assert turn_status(SimpleNamespace(status="generating"), full) == ""
+    assert turn_status(SimpleNamespace(status="restoring"), idle).startswith("Restoring")
 
 
 def test_users_file_hashes_and_checks_passwords(tmp_path: Path, monkeypatch) -> None:

@@ -116,7 +116,7 @@ def build_chat_blocks(
         )
         if share is not None:
             sharing = ShareDialog(page)
-            opened = convos.share(  # type: ignore[attr-defined]
+            opened = convos.share_link(  # type: ignore[attr-defined]
                 sharing.on_share, None, [share.sid, share.title, share.link, share.links, status]
             )
             opened.then(None, js="() => window.crowdchat.openDialog('share')")

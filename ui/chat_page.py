@@ -65,7 +65,7 @@ class ChatPage(ReplyStream):
         chatbot, status, system prompt, list, Send, Stop, editing, the messages' meta."""
         screen.sid = sid
         path, system = self.opened(owner, sid) if sid else ([], "")
-        busy = sid is not None and sid in self.sm._active
+        busy = sid is not None and self.sm.answering(sid)
         listing = self.listing(owner, sid, screen)
         meta = meta_of(path, self.reply_stats)
         return (sid, to_chatbot(path), status, system, listing, *buttons(busy), None, meta)

@@ -6,7 +6,7 @@ confirmation), and more conversations loaded as the user scrolls to the end.
 One `gr.HTML` whose value is the list (`ChatPage.listing`) and whose script,
 static/conversation_list.js, draws it with text nodes only (a title is never parsed as HTML)
 and sends what the user does as the component's own events ('pick', 'rename', 'remove',
-'share', 'more', 'find'), each carrying the conversation's id."""
+'share_link', 'more', 'find'), each carrying the conversation's id."""
 
 from __future__ import annotations
 

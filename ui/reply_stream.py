@@ -81,7 +81,6 @@ class ReplyStream:
         on_screen = [True]
         keys_shown: list[bool] = []  # what Send/Stop show now, once painted
         first: list[float] = []
-        queued_since: list[float] = []
 
         def paint(
             status: str,
@@ -123,9 +122,7 @@ class ReplyStream:
             )
 
         def status_now() -> str:
-            if turn.status == "queued" and not queued_since:
-                queued_since.append(time.monotonic())
-            return turn_status(turn, self.sm.engine, queued_since[0] if queued_since else None)
+            return turn_status(turn, self.sm.engine)
 
         def given_back(status: str) -> tuple:
             """The page after a turn the engine never took: as stored, `typed` in the box."""

@@ -4,23 +4,20 @@ the composer only near a limit (the settings dialog shows it always).
 
 The queue position is the engine's as it stands: never negative (between its admission and its
 first step the engine can count it one below zero), and "waiting" only when something waits:
-requests ahead of this one, or every slot of the batch busy, or a wait longer than one step
-would take. A request on an idle server sits in the queue for a step (70 ms on the small
-model), which is not worth a word."""
+requests ahead of this one, or every slot of the batch busy. A request on a server with room
+sits in the queue until the engine's next step (70 ms on the small model, longer on a busy
+machine), which is not waiting for anyone and not worth a word: Stop in Send's place says
+that a reply is coming."""
 
 from __future__ import annotations
 
-import time
-
 from sessions import ChatTurn
 
-GRACE_S = 1.0  # queued longer than this with nothing ahead: it waits for a slot all the same
 NEAR = 0.8  # the usage line shows under the composer past this share of a limit
 
 
-def turn_status(turn: ChatTurn, engine: object, queued_since: float | None) -> str:
-    """The status line for a turn in flight (`queued_since`: when it was first seen queued,
-    monotonic seconds)."""
+def turn_status(turn: ChatTurn, engine: object) -> str:
+    """The status line for a turn in flight."""
     if turn.status == "restoring":
         return "Restoring your conversation…"
     if turn.status != "queued":
@@ -29,11 +26,9 @@ def turn_status(turn: ChatTurn, engine: object, queued_since: float | None) -> s
     if ahead is None:
         return ""
     ahead = max(ahead, 0)
-    busy = _batch_full(engine)
-    waited = queued_since is not None and time.monotonic() - queued_since > GRACE_S
-    if not ahead and not busy and not waited:
+    if not ahead and not _batch_full(engine):
         return ""
-    eta = engine.wait_estimate(ahead) if ahead or busy else None  # type: ignore[attr-defined]
+    eta = engine.wait_estimate(ahead)  # type: ignore[attr-defined]
     about = f" (about {eta:.0f} s)" if eta is not None and eta >= 1 else ""
     if ahead:
         return f"Waiting: {ahead} ahead of you{about}…"
