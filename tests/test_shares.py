@@ -21,7 +21,7 @@ from sessions.shares import MAX_LINKS_PER_CONVERSATION
 from tests.conftest import close_sessions, make_sessions
 from tests.test_doors import add_user, signed_in
 from tests.web import bearer, running_server
-from ui.share_section import ShareSection
+from ui.share_dialog import ShareDialog
 
 KEYS = "ann:key-ann-0123456789ab\nben:key-ben-0123456789ab\n"
 ANN, BEN = bearer("key-ann-0123456789ab"), bearer("key-ben-0123456789ab")
@@ -182,7 +182,8 @@ def test_share_links_off_makes_and_shows_none(nf4_model: LoadedModel, tmp_path: 
         # asks the manager, which refuses
         owner = sm.store.get_session(sid)["owner"]
         page = SimpleNamespace(sm=sm, owner=lambda _request: owner)
-        _link, _choices, said = ShareSection(page).on_create(sid, None)  # type: ignore[arg-type]
+        menu = SimpleNamespace(_data={"id": sid})  # the conversation menu's Share event
+        *_, said = ShareDialog(page).on_share(menu, None)  # type: ignore[arg-type]
         assert said.startswith("Error: share links are off")
         with pytest.raises(InvalidRequest, match="--share-links"):
             sm.share(owner, sid)
