@@ -159,7 +159,7 @@ def test_stats_metrics_admin_and_drain(up, replicas) -> None:  # noqa: ANN001
     assert sum(r.served for r in rows.values()) - sum(r.served for r in before.replicas) == 8
     assert after.generated_tokens_total - before.generated_tokens_total == 8 * 5
     assert rows[replicas[0].url].upstream["kv_cache_usage_perc"] == 0.25
-    table = replicas_table(monitor)
+    table = replicas_table(monitor.engine)
     assert list(table["url"]) == [r.url for r in replicas] and set(table["state"]) == {"up"}
     assert "upstream: 2/2 replicas healthy" in totals(monitor, sm, 2000)
     prom = httpx.get(f"{url}/metrics").text
@@ -172,4 +172,4 @@ def test_stats_metrics_admin_and_drain(up, replicas) -> None:  # noqa: ANN001
     for sid in sids:
         assert ask(url, "again", sid).status_code == 200
     assert not replicas[0].requests and len(replicas[1].requests) == 8
-    assert set(replicas_table(monitor)["state"]) == {"draining", "up"}
+    assert set(replicas_table(monitor.engine)["state"]) == {"draining", "up"}
