@@ -40,6 +40,7 @@ def start(data: Path, port: int) -> tuple[subprocess.Popen, float, float]:
 
     t0 = time.monotonic()
     cmd = [sys.executable, str(ROOT / "app.py"), "--port", str(port), "--data-dir", str(data)]
+    cmd += ["--new-identities-per-minute", "100000"]  # every page user is a new browser
     proc = subprocess.Popen(
         [*cmd, *PROXY_ARGS], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -90,6 +91,7 @@ def page_user(base: str, tokens: int, out: list, barrier: threading.Barrier) -> 
     from gradio_client import Client
 
     client = Client(base, verbose=False)
+    client.predict(api_name="/on_load")  # as a browser opens the page (its session's first event)
     barrier.wait()
     t0 = time.perf_counter()
     job = client.submit(PROMPT, "", 0.0, 1.0, tokens, 1.0, api_name="/on_send")

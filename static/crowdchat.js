@@ -42,6 +42,14 @@
         if (c.startsWith("cc-dialog-")) document.body.classList.remove(c);
       }
     },
+    emptyBox() {
+      // the message box as Send takes its text (what the box holds goes as the event's input)
+      const box = document.querySelector("#message textarea");
+      if (box) {
+        box.value = "";
+        box.dispatchEvent(new Event("input", { bubbles: true }));
+      }
+    },
     dialogOpen() {
       return [...document.body.classList].some((c) => c.startsWith("cc-dialog-"));
     },

@@ -145,7 +145,7 @@ def test_enter_sends_shift_enter_breaks_esc_stops_and_ctrl_shift_o_starts_a_new_
     box.fill(too_long)
     box.press("Enter")
     expect(page.locator("#status")).to_contain_text("Error", timeout=20_000)
-    assert box.input_value() == too_long
+    expect(box).to_have_value(too_long, timeout=10_000)
     box.fill("")
     page.keyboard.press("Control+Shift+O")
     expect(page.locator("#chatbot .message-row")).to_have_count(0, timeout=10_000)

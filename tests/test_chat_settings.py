@@ -77,7 +77,7 @@ def shown(section: SettingsDialog, sid: str | None, me: gr.Request) -> tuple:
 def send(page: ChatPage, me: gr.Request, sid: str | None, s: ChatSettings) -> str:
     *_, last = page.on_send("Hi there", sid, None, "", *slider_values(s), Screen(), me)
     assert not last[1].startswith("Error"), last[1]
-    return last[3]
+    return last[2]
 
 
 def test_each_conversation_keeps_its_own_settings_and_new_ones_start_from_the_last(
@@ -114,8 +114,8 @@ def test_each_conversation_keeps_its_own_settings_and_new_ones_start_from_the_la
 
 def test_a_send_with_settings_out_of_range_stores_nothing_and_says_why(page: ChatPage) -> None:
     me = browser(page)
-    out = list(page.on_send("Hi", None, False, "", 5.0, 0.9, 64, 1.0, Screen(), me))
-    assert out[-1][1].startswith("Error: temperature") and out[-1][3] is None
+    out = list(page.on_send("Hi", None, None, "", 5.0, 0.9, 64, 1.0, Screen(), me))
+    assert out[-1][1].startswith("Error: temperature") and out[-1][2] is None
     assert page.sm.list_sessions(page.owner(me)) == []
 
 

@@ -161,7 +161,7 @@ def test_a_conversation_keeps_its_system_prompt_across_reload_switch_and_new_cha
 
     def send(message: str, sid: str | None, system: str) -> str:
         *_, last = page.on_send(message, sid, None, system, 0.0, 1.0, 8, 1.0, screen, me)
-        return last[3]
+        return last[2]
 
     pirate = send("Hello there.", None, "You are a pirate.")
     # a reload: the box shows the conversation's own prompt, so the next Send keeps it
@@ -197,7 +197,7 @@ def test_a_reply_paints_only_while_its_conversation_is_on_screen(on_page: tuple)
         me,
     )
     first = next(stream)
-    sid = first[3]
+    sid = first[2]
     assert first[0][0]["content"].startswith("Write a long story")
     # the user opens the other conversation while the reply runs: once, the reply's stream
     # repaints that one (a delta it yielded just before may reach the browser after the
@@ -205,12 +205,12 @@ def test_a_reply_paints_only_while_its_conversation_is_on_screen(on_page: tuple)
     opened = page.on_select(other, screen, me)
     assert opened[0] == other
     away = [next(stream) for _ in range(3)]
-    assert away[0][0] == opened[1] and away[0][3] == other, away[0]
-    assert all(out == (gr.skip(),) * 9 for out in away[1:]), away
+    assert away[0][0] == opened[1] and away[0][2] == other, away[0]
+    assert all(out == (gr.skip(),) * 7 for out in away[1:]), away
     # back again: the reply so far, then the rest, paint again, into this conversation
     page.on_select(sid, screen, me)
     back = list(stream)
-    assert back and all(out[3] == sid for out in back)
+    assert back and all(out[2] == sid for out in back)
     final = back[-1][0]
     assert [m["role"] for m in final] == ["user", "assistant"] and final[1]["content"]
     stored = sm.messages(owner, sid)  # the turn ran on while away and was committed
@@ -218,24 +218,32 @@ def test_a_reply_paints_only_while_its_conversation_is_on_screen(on_page: tuple)
     assert len(sm.messages(owner, other)) == 2
 
 
-def sent(page: ChatPage, request: gr.Request, message: str, sid: str | None, editing: int | None):
+def sent(
+    page: ChatPage,
+    request: gr.Request,
+    message: str,
+    sid: str | None,
+    editing: int | None,
+    screen: Screen | None = None,
+):
     """Every update of one Send (greedy, 8 tokens), as the page shows them."""
-    return list(page.on_send(message, sid, editing, "", 0.0, 1.0, 8, 1.0, Screen(), request))
+    screen = screen or Screen()
+    return list(page.on_send(message, sid, editing, "", 0.0, 1.0, 8, 1.0, screen, request))
 
 
 def test_an_edit_the_engine_refuses_goes_back_into_the_box_with_the_reason(on_page: tuple) -> None:
     """An edit is written only once the engine takes it: refused (here: the engine stopped),
     the page had cleared the box and left editing, and the text was nowhere."""
     engine, sm, page, owner, me = on_page
-    sid = sent(page, me, "Name a colour.", None, None)[-1][3]
+    sid = sent(page, me, "Name a colour.", None, None)[-1][2]
     before = sm.messages(owner, sid)
     mine = before[0]["id"]
     engine.shutdown()
-    chatbot, status, box, _sid, _convos, editing, *_ = sent(page, me, "Name a fruit.", sid, mine)[
-        -1
-    ]
+    screen = Screen()
+    chatbot, status, *_ = sent(page, me, "Name a fruit.", sid, mine, screen)[-1]
     assert status.startswith("Error:") and "shutting down" in status and "Send tries" in status
-    assert box == "Name a fruit." and editing == mine
+    assert page.on_given_back(screen) == ("Name a fruit.", mine)  # back in the box, editing
+    assert page.on_given_back(screen) == (gr.skip(), None)  # once
     assert [m["content"] for m in chatbot] == [m["content"] for m in before]
     assert sm.messages(owner, sid) == before
     assert not sm._active  # the session is free for the next try
@@ -260,7 +268,7 @@ def test_a_conversation_deleted_as_its_turn_starts_leaves_no_turn_holding_the_us
         (_chatbot, status, *_), *rest = sent(page, me, "Hello.", sid, None)
         assert status.startswith("Error:") and not rest
     monkeypatch.setattr(sm, "chat", real_chat)
-    *_, (chatbot, status, _box, sid, *_rest) = sent(page, me, "Hi.", None, None)
+    *_, (chatbot, status, sid, *_rest) = sent(page, me, "Hi.", None, None)
     assert status == "" and chatbot[-1]["role"] == "assistant" and chatbot[-1]["content"]
     assert not sm._active
 
@@ -275,7 +283,7 @@ def test_a_reply_ending_as_the_user_leaves_does_not_leave_the_list_on_it(on_page
     sm.store.add_message(other, "user", "an older question")
     stream = page.on_send("Hi.", None, None, "", 0.0, 1.0, 4, 1.0, screen, me)
     *_, end = list(stream)  # ended while still on screen: the list marks the reply's
-    assert end[4]["open"] == end[3]
+    assert end[3]["open"] == end[2]
     opened = page.on_select(other, screen, me)  # the click, answered after the end
     assert opened[0] == other and opened[4]["open"] == other
 
@@ -300,7 +308,7 @@ def test_the_chats_own_clear_deletes_the_conversation_for_real(on_page: tuple) -
     the conversation stayed, and its next reply was answered with the hidden history."""
     _engine, sm, page, owner, me = on_page
     screen = Screen()
-    sid = sent(page, me, "Hi.", None, None)[-1][3]
+    sid = sent(page, me, "Hi.", None, None)[-1][2]
     screen.sid = sid
     shown_sid, chatbot, _status, _system, listing, *_ = page.on_clear(screen, me)
     assert shown_sid is None and chatbot == [] and listing["items"] == []

@@ -29,6 +29,7 @@ LATEX = [
     {"left": "$", "right": "$", "display": False},
 ]
 QUIET = {"concurrency_limit": None, "show_progress": "hidden"}
+EMPTY_BOX = "(...args) => { window.crowdchat.emptyBox(); return args; }"
 
 
 def build_chat_blocks(
@@ -72,17 +73,19 @@ def build_chat_blocks(
         # what opening a conversation (or a new one) paints: ChatPage.show's outputs
         shown = [sid, chatbot, status, system, convos, send_btn, stop_btn, editing, meta]
         # what a turn paints as it streams: ChatPage._stream's outputs
-        turn = [chatbot, status, box, sid, convos, editing, send_btn, stop_btn, meta]
+        turn = [chatbot, status, sid, convos, send_btn, stop_btn, meta]
         settings = SettingsDialog(page)
 
         def then_refresh(event: object) -> None:
             """After the event (a whole streamed turn included), the sliders show the
-            settings of what is now on screen and the usage line where the user stands."""
+            settings of what is now on screen and the usage line where the user stands; a
+            turn's text the engine never took goes back into the message box."""
             # "always_last": a second trigger while one is pending (opening two conversations
             # quickly) runs after it, on the newest state, instead of being dropped ("once")
             quiet = {**QUIET, "trigger_mode": "always_last"}
             event.then(settings.on_show, [sid, screen], sampling, **quiet)  # type: ignore[attr-defined]
             event.then(settings.on_usage, None, [settings_parts.usage, usage_near], **quiet)  # type: ignore[attr-defined]
+            event.then(page.on_given_back, [screen], [box, editing], **quiet)  # type: ignore[attr-defined]
 
         # "multiple": a reply still running in a conversation the user left must not block
         # Send in the one they opened (a second Send in a busy one is refused by the session)
@@ -92,10 +95,11 @@ def build_chat_blocks(
             "show_progress": "hidden",
             "trigger_mode": "multiple",
         }
+        sending = [box, sid, editing, system, *sampling, screen]
         for trigger in (box.submit, send_btn.click):
-            then_refresh(
-                trigger(page.on_send, [box, sid, editing, system, *sampling, screen], turn, **turns)
-            )
+            # the browser empties the box as it sends (not the turn: an output of a stream is
+            # rebuilt by Gradio at every paint that leaves it as it is)
+            then_refresh(trigger(page.on_send, sending, turn, js=EMPTY_BOX, **turns))
         stop_btn.click(page.on_stop, [sid], None, **QUIET)
         handlers = MessageActions(page)
         then_refresh(chatbot.edit(handlers.on_edit, [sid, *sampling, screen], turn, **turns))

@@ -146,16 +146,29 @@ class ChatPage(ReplyStream):
 
     # -- turns --------------------------------------------------------------------------
     def refused(
-        self, owner: str, sid: str | None, error: CrowdchatError, editing: int | None = None
+        self,
+        owner: str,
+        sid: str | None,
+        error: CrowdchatError,
+        screen: Screen,
+        typed: tuple[str, int | None] | None = None,
     ) -> tuple:
-        """A turn that could not start: the conversation as stored, the reason, and the box
-        left as it is (the typed text stays in it: nothing is lost). Outputs as _stream's."""
+        """A turn that could not start: the conversation as stored and the reason; `typed`
+        (the text sent, the message it edits) goes back into the box: nothing is lost.
+        Outputs as _stream's."""
         try:
             history = to_chatbot(self.sm.messages(owner, sid)) if sid else []
         except CrowdchatError:
             history, sid = [], None
+        screen.back = typed
         skip = gr.skip()
-        return (history, f"Error: {error}", skip, sid, skip, editing, *buttons(False), skip)
+        return (history, f"Error: {error}", sid, skip, *buttons(False), skip)
+
+    def on_given_back(self, screen: Screen) -> tuple:
+        """After a turn: the text of one the engine never took back into the message box (the
+        browser emptied it as it sent), and the message it edits. Outputs: box, editing."""
+        back, screen.back = screen.back, None
+        return (back[0], back[1]) if back is not None else (gr.skip(), None)
 
     def settings(
         self, temperature: float, top_p: float, max_tokens: float, repetition: float = 1.0
@@ -181,8 +194,8 @@ class ChatPage(ReplyStream):
         screen: Screen,
         request: gr.Request,
     ) -> Iterator[tuple]:
-        """Outputs: chatbot, status, textbox, sid, list, editing, Send, Stop. `editing`: the
-        id of a message whose edit the engine refused; Send then tries that edit again."""
+        """Outputs as _stream's. `editing`: the id of a message whose edit the engine
+        refused; Send then tries that edit again."""
         started = time.monotonic()
         owner = self.owner(request)
         try:
@@ -200,7 +213,7 @@ class ChatPage(ReplyStream):
             else:
                 turn = self.sm.chat(owner, sid, message, params)
         except CrowdchatError as e:  # the message stays in the box: nothing is lost
-            yield self.refused(owner, sid, e, editing)
+            yield self.refused(owner, sid, e, screen, (message, editing))
             return
         try:  # the turn holds the session, a turn slot and tokens until it is iterated
             path = self.sm.messages(owner, sid)
@@ -208,7 +221,7 @@ class ChatPage(ReplyStream):
             turn.abandon()
             if not isinstance(e, CrowdchatError):
                 raise
-            yield self.refused(owner, None, e, editing)
+            yield self.refused(owner, None, e, screen, (message, editing))
             return
         shown = to_chatbot(path)
         if editing is not None:  # the edit is written once the engine takes it
@@ -216,7 +229,7 @@ class ChatPage(ReplyStream):
             shown[at:] = [{"role": "user", "content": message}]
         typed = (message, editing) if editing is not None else None
         kept = path[: len(shown) - 1]
-        yield from self._stream(owner, sid, turn, screen, shown, True, typed, started, kept)
+        yield from self._stream(owner, sid, turn, screen, shown, typed, started, kept)
 
     def on_edit(
         self,
@@ -232,7 +245,7 @@ class ChatPage(ReplyStream):
     ) -> Iterator[tuple]:
         """The user edited their message at `index` of the chat in place: it is answered as
         a new branch beside the original (‹ n/m › on the message switches back). Outputs as
-        on_send's."""
+        _stream's."""
         started = time.monotonic()
         owner = self.owner(request)
         try:
@@ -245,12 +258,12 @@ class ChatPage(ReplyStream):
             self.sm.set_settings(owner, sid, settings)
             turn = self.sm.edit(owner, sid, path[index]["id"], text, settings.params())
         except CrowdchatError as e:
-            yield self.refused(owner, sid, e)
+            yield self.refused(owner, sid, e, screen)
             return
         shown = to_chatbot(path[:index]) + [{"role": "user", "content": text}]
         typed = (text, path[index]["id"])
         kept = path[:index]
-        yield from self._stream(owner, sid, turn, screen, shown, False, typed, started, kept)
+        yield from self._stream(owner, sid, turn, screen, shown, typed, started, kept)
 
     def on_regenerate(
         self,
@@ -280,8 +293,8 @@ class ChatPage(ReplyStream):
             reply = path[index]["id"] if index < len(path) else None
             turn = self.sm.regenerate(owner, sid, settings.params(), message_id=reply)
         except CrowdchatError as e:
-            yield self.refused(owner, sid, e)
+            yield self.refused(owner, sid, e, screen)
             return
         shown = to_chatbot(path[:index])  # the new reply streams in the old one's place
         kept = path[:index]
-        yield from self._stream(owner, sid, turn, screen, shown, False, None, started, kept)
+        yield from self._stream(owner, sid, turn, screen, shown, None, started, kept)

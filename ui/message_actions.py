@@ -65,7 +65,7 @@ class MessageActions:
         """↻ under a reply: answer its question again (the old reply stays a branch)."""
         index = _index(evt)
         if index is None:
-            yield (*(gr.skip(),) * 9,)
+            yield (*(gr.skip(),) * 7,)
             return
         sampling = (temperature, top_p, max_tokens, repetition)
         yield from self.page.on_regenerate(index, sid, *sampling, screen, request)

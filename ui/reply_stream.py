@@ -20,6 +20,10 @@ from ui.status_line import turn_status
 
 log = logging.getLogger("ui.chat_page")
 POLL_S = 0.4
+# A reply paints at most this often (its first text at once): each paint has Gradio process and
+# diff the whole chat, work that per token, at 8 users on a 2-core box, took CPU from the model
+PAINT_S = 0.05
+AWAY_S = 2.0  # while its conversation is not on screen a reply yields this seldom
 PAGE = 100  # conversations the list holds before the user scrolls for more
 
 
@@ -35,6 +39,9 @@ class Screen:
 
     sid: str | None = None
     shown: int = PAGE  # conversations loaded into the list (more as the user scrolls)
+    # the text of a turn the engine never took, and the message it edits (None: a new one),
+    # for the message box (ChatPage.on_given_back)
+    back: tuple[str, int | None] | None = None
 
 
 def buttons(busy: bool) -> tuple[dict, dict]:
@@ -56,43 +63,37 @@ class ReplyStream:
         turn: ChatTurn,
         screen: Screen,
         history: list[dict],
-        clear_box: bool,
         typed: tuple[str, int | None] | None = None,
         started: float | None = None,
         kept: list[dict] | None = None,
     ) -> Iterator[tuple]:
         """Run the turn on a thread; yield the growing reply, and the status while waiting.
-        Outputs: chatbot, status, box, sid, list, editing, Send, Stop, the messages'
-        meta. Only while `sid` is
-        on screen: after the user opened another conversation the turn runs on (and is
-        committed) but every yield changes nothing, not even the tab's sid, until they come
-        back. Yielding still lets Gradio close us when the tab goes away. `typed`: (text,
-        id of the message it edits) of an edit, written only once the engine takes the turn:
-        if it never does (queue full, engine stopped, Stop first), the text goes back into
-        the box beside the reason, and Send tries the edit again. `started`: when the user
-        sent it (monotonic), for the time to the first token. `kept`: the stored messages
-        that stay on screen above the new ones (their ‹ n/m › and stats stay while the reply
-        streams)."""
+        Outputs: chatbot, status, sid, list, Send, Stop, the messages' meta (the message box
+        is not one: the browser empties it as it sends, and ChatPage.on_given_back fills it
+        after the turn if need be). Only while `sid` is on screen: after the user opened
+        another conversation the turn runs on (and is committed) but every yield changes
+        nothing, not even the tab's sid, until they come back. Yielding still lets Gradio
+        close us when the tab goes away. `typed`: (text, id of the message it edits) of an
+        edit, written only once the engine takes the turn: if it never does (queue full,
+        engine stopped, Stop first), the text goes back into the box beside the reason
+        (`screen.back`), and Send tries the edit again. `started`: when the user sent it
+        (monotonic), for the time to the first token. `kept`: the stored messages that stay
+        on screen above the new ones (their ‹ n/m › and stats stay while the reply streams)."""
         started = time.monotonic() if started is None else started
         screen.sid = sid
         history.append({"role": "assistant", "content": ""})
-        box = "" if clear_box else gr.update()
         events = RelayThread(turn, "crowdchat-page-reply")
         on_screen = [True]
         keys_shown: list[bool] = []  # what Send/Stop show now, once painted
+        last: dict[str, object] = {}  # the list and the meta as the page shows them
         first: list[float] = []
 
         def paint(
-            status: str,
-            box: object = None,
-            convos: object = None,
-            editing: int | None = None,
-            busy: bool = True,
-            meta: object = None,
+            status: str, convos: object = None, busy: bool = True, meta: object = None
         ) -> tuple:
             if screen.sid != sid:
                 if not on_screen[0]:
-                    return (gr.skip(),) * 9
+                    return (gr.skip(),) * 7
                 # the user just opened another conversation (or a new one): a delta painted
                 # before that can reach the browser after the page showed it, over it. Once,
                 # paint what is on screen now: this generator's yields arrive in order. (Send
@@ -103,23 +104,22 @@ class ReplyStream:
                 try:
                     shown = to_chatbot(self.sm.messages(owner, now)) if now else []
                 except CrowdchatError:  # deleted meanwhile: the page's own event shows that
-                    return (gr.skip(),) * 9
-                return (shown, gr.skip(), gr.skip(), now, *(gr.skip(),) * 5)
+                    return (gr.skip(),) * 7
+                return (shown, gr.skip(), now, *(gr.skip(),) * 4)
             on_screen[0] = True
-            keys: tuple = (gr.skip(), gr.skip())
+            # what the page already shows goes again as its value, not gr.skip(): Gradio builds
+            # the component anew for each skip() (1-3 ms), and five of them a paint took the
+            # CPU the model needed at 8 users (the value's diff against the last paint is empty)
+            if convos is not None:
+                last["convos"] = convos
+            if meta is not None:
+                last["meta"] = meta
+            keys: tuple = ("Send", "Stop")
             if keys_shown != [busy]:  # first paint, back on screen, or the reply ended
                 keys_shown[:] = [busy]
                 keys = buttons(busy)
-            return (
-                history,
-                status,
-                gr.skip() if box is None else box,
-                sid,
-                gr.skip() if convos is None else convos,
-                editing,
-                *keys,
-                gr.skip() if meta is None else meta,
-            )
+            skip = gr.skip()
+            return (history, status, sid, last.get("convos", skip), *keys, last.get("meta", skip))
 
         def status_now() -> str:
             return turn_status(turn, self.sm.engine)
@@ -130,11 +130,11 @@ class ReplyStream:
                 history[:] = to_chatbot(self.sm.messages(owner, sid))
             except CrowdchatError:  # deleted meanwhile
                 history[:] = []
-            text, editing = typed  # type: ignore[misc]
-            if editing is not None:
+            screen.back = typed
+            if typed[1] is not None:  # type: ignore[index]
                 status += " Your edit is back in the message box: Send tries it again."
             meta = meta_of(self.sm.messages(owner, sid), self.reply_stats) if history else None
-            return paint(status.strip(), box=text, editing=editing, busy=False, meta=meta)
+            return paint(status.strip(), busy=False, meta=meta)
 
         def ended() -> tuple:
             """The stored conversation, with the reply's stats kept for the line under it."""
@@ -151,16 +151,32 @@ class ReplyStream:
             listing = self.listing(owner, sid, screen)
             return paint(note, convos=listing, busy=False, meta=meta_of(stored, self.reply_stats))
 
+        def gathered(text: str) -> tuple[str, object]:
+            """`text` and what else arrives within PAINT_S of the last paint; and the event
+            that ended the wait (an End or a Failed), if any."""
+            while (left := painted[0] + PAINT_S - time.monotonic()) > 0:
+                event = events.get(timeout=left)
+                if not isinstance(event, Delta):
+                    return text, event
+                text += event.text
+            return text, None
+
+        painted = [0.0]  # when the reply last painted (monotonic)
         try:
             meta = meta_of(kept or [], self.reply_stats)
-            yield paint(status_now(), box, self.listing(owner, sid, screen), meta=meta)
+            yield paint(status_now(), self.listing(owner, sid, screen), meta=meta)
+            held = None  # an event that came while deltas were gathered
             while True:
                 # no event within POLL_S: the status line still moves (queue position)
-                match events.get(timeout=POLL_S):
+                event, held = held or events.get(timeout=POLL_S), None
+                match event:
                     case Delta(text):
-                        if not first:
+                        if first:
+                            text, held = gathered(text)
+                        else:
                             first.append(time.monotonic())
                         history[-1]["content"] += text
+                        painted[0] = time.monotonic()
                         yield paint("")
                     case Failed(error):
                         status = f"Error: {_message(error)}"
@@ -178,6 +194,17 @@ class ReplyStream:
                         return
                     case None:
                         yield paint(status_now())
+                # away (another conversation on screen): the reply runs on, gathered here, and
+                # yields only every AWAY_S, which is enough for Gradio to see a closed tab
+                until = time.monotonic() + AWAY_S
+                while not on_screen[0] and screen.sid != sid and not held:
+                    if (left := until - time.monotonic()) <= 0:
+                        break
+                    event = events.get(timeout=left)
+                    if isinstance(event, Delta):
+                        history[-1]["content"] += event.text
+                    elif event is not None:
+                        held = event
         finally:
             if turn.status != "done":
                 turn.cancel()  # the browser went away (tab closed): free the batch slot
