@@ -46,7 +46,7 @@ def test_the_anonymous_identity_is_a_signed_httponly_samesite_cookie(anonymous: 
 def test_a_forged_or_altered_cookie_is_a_new_identity(anonymous: tuple) -> None:
     url, sm, _ = anonymous
     alice = Client(url, verbose=False)
-    alice.predict("Hello, I am Alice.", "", 0.0, 1.0, 16, api_name="/on_send")
+    alice.predict("Hello, I am Alice.", "", 0.0, 1.0, 16, 1.0, api_name="/on_send")
     value = alice.cookies["crowdchat_id"]
     alice_id, _, mac = value.partition(".")
     assert len(sm.list_sessions(f"browser:{alice_id}")) == 1
@@ -60,8 +60,8 @@ def test_a_forged_or_altered_cookie_is_a_new_identity(anonymous: tuple) -> None:
         assert r.status_code == 200
         assert r.cookies["crowdchat_id"].partition(".")[0] != alice_id
         mallory = Client(url, verbose=False, httpx_kwargs={"cookies": {"crowdchat_id": cookie}})
-        convos, history, _system = mallory.predict(api_name="/on_load")
-        assert convos["choices"] == [] and history == []
+        history, _status, _system, listing, *_ = mallory.predict(api_name="/on_load")
+        assert listing["items"] == [] and history == []
 
 
 def test_new_identities_per_address_are_capped(nf4_model: LoadedModel, tmp_path: Path) -> None:
@@ -102,7 +102,7 @@ def test_knowing_another_browsers_id_gets_nothing_of_its_conversations(
     localStorage id) to the caller: a script knowing Alice's id took her list."""
     url, sm, _ = anonymous
     alice = Client(url, verbose=False)
-    alice.predict("Hello, I am Alice.", "", 0.0, 1.0, 16, api_name="/on_send")
+    alice.predict("Hello, I am Alice.", "", 0.0, 1.0, 16, 1.0, api_name="/on_send")
     alice_id = alice.cookies["crowdchat_id"].partition(".")[0]
     hers = [s["id"] for s in sm.list_sessions(f"browser:{alice_id}")]
     assert len(hers) == 1
@@ -110,12 +110,12 @@ def test_knowing_another_browsers_id_gets_nothing_of_its_conversations(
     bob_id = bob.cookies["crowdchat_id"].partition(".")[0]
     for data in ([alice_id, None], [alice_id], [f"browser:{alice_id}", None]):
         load_event_as_sent_by_hand(url, bob, data)
-    convos, history, _system = bob.predict(api_name="/on_load")
-    assert convos["choices"] == [] and history == []
+    history, _status, _system, listing, *_ = bob.predict(api_name="/on_load")
+    assert listing["items"] == [] and history == []
     assert sm.list_sessions(f"browser:{bob_id}") == []
     assert [s["id"] for s in sm.list_sessions(f"browser:{alice_id}")] == hers
-    again = alice.predict(api_name="/on_load")[0]
-    assert [c[1] for c in again["choices"]] == hers
+    again = alice.predict(api_name="/on_load")[3]
+    assert [item["id"] for item in again["items"]] == hers
 
 
 def test_a_body_over_the_cap_gets_413_and_the_server_keeps_serving(anonymous: tuple) -> None:

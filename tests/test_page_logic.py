@@ -20,7 +20,7 @@ from engine import SamplingParams
 from engine.model.loader import LoadedModel
 from tests.conftest import close_sessions, make_sessions
 from tests.web import running_server
-from ui import auth
+from ui import auth, reply_stream
 from ui.chat_page import ChatPage, Screen
 from ui.status_line import turn_status
 
@@ -179,8 +179,13 @@ def test_a_conversation_keeps_its_system_prompt_across_reload_switch_and_new_cha
     assert page.on_delete(plain, screen, me)[3] == ""
 
 
-def test_a_reply_paints_only_while_its_conversation_is_on_screen(on_page: tuple) -> None:
+def test_a_reply_paints_only_while_its_conversation_is_on_screen(
+    on_page: tuple, monkeypatch
+) -> None:
     engine, sm, page, owner, me = on_page
+    # away, a reply yields every AWAY_S (2 s): three such yields outlasted a 200-token reply
+    # on a fast box, and the reply ended before the user came back
+    monkeypatch.setattr(reply_stream, "AWAY_S", 0.01)
     screen = Screen()
     other = sm.create_session(owner)["id"]
     sm.chat(owner, other, "Say hi.", SamplingParams(temperature=0, max_new_tokens=4)).result()
