@@ -61,7 +61,12 @@ class FakeReplica:
 
     def start(self) -> FakeReplica:
         config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.port, log_level="critical", lifespan="off"
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="critical",
+            lifespan="off",
+            timeout_graceful_shutdown=1,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

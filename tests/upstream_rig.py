@@ -56,7 +56,9 @@ def upstream_server(
     app_settings = {"new_identities_per_minute": 10_000, **(app or {})}
     server_app, monitor = build_app(backend, sm, AppConfig(**app_settings), data_dir)  # type: ignore[arg-type]
     port = free_port()
-    config = uvicorn.Config(server_app, host="127.0.0.1", port=port, log_level="warning")
+    config = uvicorn.Config(
+        server_app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=1
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

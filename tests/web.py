@@ -56,8 +56,14 @@ def running_server(
         apps.append(app)
     port = free_port()
     # as app.main serves it: uvicorn believes no X-Forwarded-For (--trusted-proxy does)
+    # a client's open stream (gradio_client's SSE) held each stop for thread.join's 10 s
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", proxy_headers=False
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        proxy_headers=False,
+        timeout_graceful_shutdown=1,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
