@@ -9,6 +9,7 @@ import ctypes
 import functools
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -41,6 +42,7 @@ from ui.monitor import Monitor
 __all__ = ["AppConfig", "build_app", "main", "parse_args"]
 
 log = logging.getLogger("crowdchat")
+STOP_GRACE_S = 5  # how long a stop lets the replies still streaming run on
 
 
 def build_app(
@@ -195,6 +197,23 @@ class Opening:
             self.engine.shutdown()
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, whose stop first ends the streams that never end by themselves: every
+    open tab holds Gradio's heartbeat stream, and uvicorn waits for each connection to close
+    (with a tab open a stop waited for ever). Replies still streaming get STOP_GRACE_S."""
+
+    def __init__(self, config: uvicorn.Config, starting: Starting) -> None:
+        super().__init__(config)
+        self.starting = starting
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        for route in getattr(self.starting.app, "routes", []):
+            stop = getattr(getattr(route, "app", None), "stop_event", None)  # a Gradio mount
+            if stop is not None:
+                stop.set()
+        await super().shutdown(sockets)
+
+
 def main(argv: list[str] | None = None) -> None:
     cap_malloc_arenas()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -208,18 +227,32 @@ def main(argv: list[str] | None = None) -> None:
     c = opening.app_config
     # uvicorn's own proxy headers off: it would believe any X-Forwarded-For from 127.0.0.1
     # (FORWARDED_ALLOW_IPS); --trusted-proxy says whom to believe (build_app)
-    server = uvicorn.Server(
-        uvicorn.Config(starting, host=c.host, port=c.port, log_level="warning", proxy_headers=False)
+    server = Server(
+        uvicorn.Config(
+            starting,
+            host=c.host,
+            port=c.port,
+            log_level="warning",
+            proxy_headers=False,
+            timeout_graceful_shutdown=STOP_GRACE_S,
+        ),
+        starting,
     )
+    # SIGTERM as Ctrl-C: uvicorn stops on either, then raises it again, and the default SIGTERM
+    # ended the process there, before the conversations' KV was written
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     opener = threading.Thread(target=opening.run, args=(server,), name="crowdchat-open")
     opener.start()
     print(f"crowdchat: starting on http://{c.host}:{c.port}/ (it shows each step)", flush=True)
     try:
         server.run()
+    except KeyboardInterrupt:
+        pass  # uvicorn has stopped, and said so again: the clean stop follows
     finally:
         server.should_exit = True
         opener.join()
         opening.close()
+    log.info("stopped: every conversation's KV still in memory is on disk")
     if isinstance(opening.error, CrowdchatError):
         sys.exit(f"crowdchat: {opening.error}")
     if opening.error is not None:

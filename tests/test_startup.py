@@ -5,6 +5,7 @@ instead of refusing connections."""
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -81,9 +82,24 @@ def test_a_first_start_answers_at_once_with_its_step(tmp_path: Path) -> None:
         assert health.status_code == 503 and health.json()["status"] == "starting"
         assert httpx.get(base + "/health", timeout=5).status_code == 200
         assert "crowdchat" in httpx.get(base + "/", timeout=5).text
-    finally:
-        proc.terminate()
+        # a browser tab keeps Gradio's heartbeat stream open for as long as it is open: Ctrl-C
+        # waited on it for ever (uvicorn waits for every connection to close)
+        tab = httpx.Client(timeout=10)
+        tab.send(tab.build_request("GET", base + "/gradio_api/heartbeat/tab0"), stream=True)
+        # SIGTERM (systemd, docker) killed the process once uvicorn had stopped: the KV of
+        # the conversations in memory was never written
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
         out, _ = proc.communicate(timeout=60)
+        assert time.monotonic() - t0 < 30, "a stop waited on an open tab"
+        assert proc.returncode == 0, out[-3000:]
+        assert "stopped: every conversation's KV" in out
+        assert "Traceback" not in out, out[-3000:]
+        tab.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            out, _ = proc.communicate(timeout=60)
     for step in STEPS:  # every step of a CPU start, in order, each with its time
         assert f"starting: {step} took " in out, (step, out[-3000:])
     assert "starting: quantizing the model (4/6, 100%)" in out
