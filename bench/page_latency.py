@@ -1,6 +1,7 @@
 """The chat page against the API on the same server: time from starting app.py to a usable page,
 and first token and streamed tokens/s through the page (Gradio's queue and SSE, the page's own
-handler, as a browser gets them; read here by gradio_client) against the OpenAI-compatible API,
+handler, as a browser gets them; read here by a light client of Gradio's protocol: a browser's
+rendering is its own machine's) against the OpenAI-compatible API,
 at 1 and N users, alternated round by round so that a busy machine hurts both alike.
 
 Prints one JSON object per round and a summary with the ranges (min-max over the rounds).
@@ -16,8 +17,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -86,35 +87,70 @@ async def api_user(base: str, key: str, tokens: int) -> dict:
     return _point(t0, first, end, count.tokens)
 
 
-def page_user(base: str, tokens: int, out: list, barrier: threading.Barrier) -> None:
-    """One browser identity on the page: a new chat, the same prompt, greedy."""
-    from gradio_client import Client
+class PageUser:
+    """One browser on the page, speaking Gradio's queue protocol as the page's JavaScript does
+    (a join per event, then the session's server-sent events), without a browser's or
+    gradio_client's CPU on this 2-core machine beside the server."""
 
-    client = Client(base, verbose=False)
-    client.predict(api_name="/on_load")  # as a browser opens the page (its session's first event)
-    barrier.wait()
-    t0 = time.perf_counter()
-    job = client.submit(PROMPT, "", 0.0, 1.0, tokens, 1.0, api_name="/on_send")
-    first = None
-    last = None
-    for update in job:
-        chat = update[0]
-        if chat and chat[-1]["role"] == "assistant" and _text(chat[-1]) and first is None:
-            first = time.perf_counter()
-        last = update
-    end = time.perf_counter()
-    meta = last[-1] if last else {}
-    stats = (meta.get("items") or [{}])[-1].get("stats", "") if isinstance(meta, dict) else ""
-    n = int(stats.split(" ")[0]) if stats and stats.split(" ")[0].isdigit() else 0
-    out.append(_point(t0, first, end, n))
-    client.close()
+    def __init__(self, http: httpx.AsyncClient, base: str, config: dict) -> None:
+        self.http, self.base = http, base + config.get("api_prefix", "/gradio_api")
+        self.fns = {d.get("api_name"): d["id"] for d in config["dependencies"]}
+        self.session = uuid.uuid4().hex
+
+    async def event(self, name: str, data: list, on_message=None) -> dict:  # noqa: ANN001
+        """Run event `name` to its end; `on_message(msg)` sees each message; its last one."""
+        join = {"data": data, "fn_index": self.fns[name], "session_hash": self.session,
+                "event_data": None, "trigger_id": None}  # fmt: skip
+        (await self.http.post(self.base + "/queue/join", json=join)).raise_for_status()
+        params = {"session_hash": self.session}
+        async with self.http.stream("GET", self.base + "/queue/data", params=params) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                msg = json.loads(line[5:])
+                if on_message is not None:
+                    on_message(msg)
+                if msg.get("msg") == "process_completed":
+                    return msg
+        raise RuntimeError(f"{name}: the stream ended before the event did")
 
 
-def _text(message: dict) -> str:
-    content = message["content"]
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content)
-    return str(content)
+async def page_users(base: str, users: int, tokens: int) -> list[dict]:
+    """`users` new browsers open the page, then all send the same prompt at once."""
+    async with httpx.AsyncClient(timeout=300) as probe:
+        config = (await probe.get(base + "/config")).json()
+
+    async def one(start: asyncio.Event) -> dict:
+        async with httpx.AsyncClient(timeout=300) as http:
+            await http.get(base + "/config")  # the page's identity cookie, as a browser gets it
+            user = PageUser(http, base, config)
+            await user.event("on_load", [None])
+            await start.wait()
+            seen: list[float] = []
+
+            def look(msg: dict) -> None:
+                generating = msg.get("msg") == "process_generating"
+                if generating and len(seen) < 2 and msg["output"]["data"][0]:
+                    seen.append(time.perf_counter())  # a paint that changed the chat
+
+            t0 = time.perf_counter()
+            end = await user.event(
+                "on_send", [PROMPT, None, None, "", 0.0, 1.0, tokens, 1.0, None], look
+            )
+            done = time.perf_counter()
+        if "data" not in end.get("output", {}):
+            raise RuntimeError(f"the page's turn failed: {json.dumps(end)[:500]}")
+        meta = end["output"]["data"][-1] or {}
+        stats = ((meta.get("items") or [{}])[-1]).get("stats", "") if isinstance(meta, dict) else ""
+        n = int(stats.split(" ")[0]) if stats[:1].isdigit() else 0
+        first = seen[1] if len(seen) > 1 else None  # the first paint is the question
+        return _point(t0, first, done, n)
+
+    start = asyncio.Event()
+    tasks = [asyncio.create_task(one(start)) for _ in range(users)]
+    await asyncio.sleep(1.0)  # everyone's page is open
+    start.set()
+    return await asyncio.gather(*tasks)
 
 
 def _point(t0: float, first: float | None, end: float, tokens: int) -> dict:
@@ -143,16 +179,7 @@ def round_of(base: str, users: int, tokens: int, path: str) -> dict:
 
         points = asyncio.run(all_users())
     else:
-        points: list[dict] = []
-        barrier = threading.Barrier(users)
-        threads = [
-            threading.Thread(target=page_user, args=(base, tokens, points, barrier))
-            for _ in range(users)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        points = asyncio.run(page_users(base, users, tokens))
     return summarize(points)
 
 
@@ -174,8 +201,8 @@ def main() -> None:
             proc.terminate()
             proc.wait(60)
         base = f"http://127.0.0.1:{_port(proc)}"
-        round_of(base, 2, 8, "api")  # warm-up: kernels, caches, first Gradio session
-        round_of(base, 2, 8, "page")
+        round_of(base, 2, 16, "api")  # warm-up: kernels, caches, first Gradio session
+        round_of(base, 2, 16, "page")
         results: dict[str, dict[str, list[dict]]] = {}
         for users in args.users:
             for r in range(args.rounds):

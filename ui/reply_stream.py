@@ -20,9 +20,11 @@ from ui.status_line import turn_status
 
 log = logging.getLogger("ui.chat_page")
 POLL_S = 0.4
-# A reply paints at most this often (its first text at once): each paint has Gradio process and
-# diff the whole chat, work that per token, at 8 users on a 2-core box, took CPU from the model
-PAINT_S = 0.05
+# A reply paints at most this often (its first text at once): each paint has Gradio process,
+# diff and send every output of the turn, Python work that took the model's CPU. Measured with
+# bench/page_latency.py at 8 users on the 2-core box: 50 ms left the page's streamed tokens/s
+# at 0.47-0.53x the API's, 100 ms at 0.53-0.76x (docs/PERFORMANCE.md)
+PAINT_S = 0.1
 AWAY_S = 2.0  # while its conversation is not on screen a reply yields this seldom
 PAGE = 100  # conversations the list holds before the user scrolls for more
 
