@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import re
 import sys
 import threading
@@ -318,3 +319,38 @@ def test_the_chats_own_clear_deletes_the_conversation_for_real(on_page: tuple) -
     shown_sid, chatbot, _status, _system, listing, *_ = page.on_clear(screen, me)
     assert shown_sid is None and chatbot == [] and listing["items"] == []
     assert sm.list_sessions(owner) == [] and sm.store.get_session(sid) is None
+
+
+def test_a_reply_paints_less_often_while_more_replies_stream_at_once(
+    on_page: tuple, monkeypatch
+) -> None:
+    """Every paint costs the server Python work (Gradio processes, diffs and sends the turn's
+    outputs) that the model's steps wait for: the page as a whole paints at most PAINTS_PER_S
+    times a second, so with four replies streaming each paints about every 4 / PAINTS_PER_S
+    (up to MAX_PAINT_S)."""
+    _engine, _sm, page, _owner, _me = on_page
+    monkeypatch.setattr(reply_stream, "PAINTS_PER_S", 4.0)  # 4 replies: one paint a second each
+    monkeypatch.setattr(reply_stream, "MAX_PAINT_S", 5.0)
+    gaps: list[list[float]] = []
+
+    def reply(request: gr.Request) -> None:
+        stream = page.on_send(
+            "Write a long story about a lighthouse keeper.",
+            None, None, "", 0.0, 1.0, 40, 1.0, Screen(), request,
+        )  # fmt: skip
+        times, text = [], ""
+        for out in stream:
+            if out[0][-1]["content"] != text:  # a paint that grew the reply
+                text = out[0][-1]["content"]
+                times.append(time.monotonic())
+        inner = times[1:-1]  # the first text and the end paint at once
+        gaps.append([b - a for a, b in itertools.pairwise(inner)])
+
+    threads = [threading.Thread(target=reply, args=(browser(page)[1],)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    spaced = sorted(g for each in gaps for g in each)
+    assert len(gaps) == 4 and spaced, gaps
+    assert spaced[len(spaced) // 2] >= 0.7, spaced  # alone, a reply paints every 0.1 s

@@ -7,7 +7,11 @@ wired here, in one place, as Gradio's ChatInterface does in `_setup_events`."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator, Sequence
+
 import gradio as gr
+from gradio.data_classes import GradioModel, GradioRootModel
 
 from ui.chat_page import ChatPage, Screen
 from ui.composer import build_composer
@@ -30,6 +34,39 @@ LATEX = [
 ]
 QUIET = {"concurrency_limit": None, "show_progress": "hidden"}
 EMPTY_BOX = "(...args) => { window.crowdchat.emptyBox(); return args; }"
+
+
+def postprocessed(component: gr.components.Component, value: object) -> object:
+    """`value` as Gradio sends it for `component` (its `postprocess`, as Gradio runs it)."""
+    if component.stateful:
+        return value
+    if isinstance(value, dict) and value.get("__type__") == "update":
+        if "value" not in value:
+            return value
+        return {**value, "value": postprocessed(component, value["value"])}
+    out = component.postprocess(value)
+    return out.model_dump() if isinstance(out, GradioModel | GradioRootModel) else out
+
+
+def painted(
+    fn: Callable[..., Iterator[tuple]], outputs: Sequence[gr.components.Component]
+) -> Callable[..., Iterator[tuple]]:
+    """A streamed turn's handler whose every paint leaves it postprocessed, for an event set
+    with postprocess=False: Gradio postprocesses each output of a paint on a worker thread of
+    its own, and at 8 users on the 2-core box those hops (waking a thread, the GIL handed
+    back) were the largest part of the server's Python work per paint (py-spy, GIL holders:
+    a quarter of it); here one thread does it all, the one that runs the handler."""
+
+    @functools.wraps(fn)
+    def run(*args: object, **kwargs: object) -> Iterator[tuple]:
+        inner = fn(*args, **kwargs)
+        try:
+            for values in inner:
+                yield tuple(postprocessed(c, v) for c, v in zip(outputs, values, strict=True))
+        finally:
+            inner.close()  # Gradio closed us (the tab went away): the turn is cancelled now
+
+    return run
 
 
 def build_chat_blocks(
@@ -94,18 +131,22 @@ def build_chat_blocks(
             "concurrency_id": "turns",
             "show_progress": "hidden",
             "trigger_mode": "multiple",
+            "postprocess": False,  # the handlers' paints come postprocessed (painted())
         }
         sending = [box, sid, editing, system, *sampling, screen]
+        on_send = painted(page.on_send, turn)
         for trigger in (box.submit, send_btn.click):
             # the browser empties the box as it sends (not the turn: an output of a stream is
             # rebuilt by Gradio at every paint that leaves it as it is)
-            then_refresh(trigger(page.on_send, sending, turn, js=EMPTY_BOX, **turns))
+            then_refresh(trigger(on_send, sending, turn, js=EMPTY_BOX, **turns))
         stop_btn.click(page.on_stop, [sid], None, **QUIET)
         handlers = MessageActions(page)
-        then_refresh(chatbot.edit(handlers.on_edit, [sid, *sampling, screen], turn, **turns))
-        then_refresh(
-            actions.regenerate(handlers.on_regenerate, [sid, *sampling, screen], turn, **turns)  # type: ignore[attr-defined]
+        on_edit, on_regenerate = (
+            painted(handlers.on_edit, turn),
+            painted(handlers.on_regenerate, turn),
         )
+        then_refresh(chatbot.edit(on_edit, [sid, *sampling, screen], turn, **turns))
+        then_refresh(actions.regenerate(on_regenerate, [sid, *sampling, screen], turn, **turns))  # type: ignore[attr-defined]
         actions.branch(handlers.on_branch, [sid, screen], [chatbot, status, meta], **QUIET)  # type: ignore[attr-defined]
         # Gradio's own clear (its trash icon, hidden by static/chat.css) deletes for real
         then_refresh(chatbot.clear(page.on_clear, [screen], shown, **QUIET))

@@ -19,7 +19,7 @@ from engine import CrowdchatError
 from sessions import SessionManager
 from sessions.chat_settings import ChatSettings
 from ui.message_meta import StatsMemory, meta_of
-from ui.reply_stream import PAGE, ReplyStream, Screen, buttons, to_chatbot
+from ui.reply_stream import PAGE, ReplyStream, Screen, Streaming, buttons, to_chatbot
 
 __all__ = ["PAGE", "ChatPage", "Screen", "to_chatbot"]
 
@@ -38,6 +38,7 @@ class ChatPage(ReplyStream):
         self.auth_enabled = auth_enabled
         self.browser_ids = browser_ids or BrowserIds(secrets.token_hex(32), per_minute=1000)
         self.reply_stats = StatsMemory()
+        self.streaming = Streaming()
 
     # -- identity and the list ----------------------------------------------------------
     def owner(self, request: gr.Request | None) -> str:

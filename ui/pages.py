@@ -3,7 +3,9 @@ unless --ui off, so that an API-only server never imports Gradio."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from urllib.parse import parse_qs, urlencode
@@ -36,6 +38,16 @@ STATIC = Path(__file__).resolve().parent.parent / "static"
 # that computer (run_history=False also deletes what an older version left there)
 NO_CHROME = {"footer_links": [], "run_history": False}
 GRADIO_VIEWS = ("view",)  # ?view=settings opens Gradio's settings panel whatever the footer
+
+
+def no_matplotlib_search() -> None:
+    """Gradio wraps every call of a handler (each paint of a streamed reply too) in a switch
+    of matplotlib's backend that imports matplotlib twice; where it is not installed, each of
+    those imports searched sys.path again, and failed: 6% of the server's Python work at 8
+    page users on the 2-core box (py-spy, GIL holders). A None in sys.modules makes them fail
+    at once, as they would have anyway."""
+    if "matplotlib" not in sys.modules and importlib.util.find_spec("matplotlib") is None:
+        sys.modules["matplotlib"] = None  # type: ignore[assignment]
 
 
 def unlisted(blocks: gr.Blocks) -> None:
@@ -141,6 +153,7 @@ def mount_pages(
     )
     poll_less(chat)
     unlisted(chat)
+    no_matplotlib_search()
     # Gradio deletes uploads older than --upload-keep-s, imported or not (Blocks.delete_cache)
     chat.delete_cache = (min(60, config.upload_keep_s), config.upload_keep_s)
     # Gradio's sign-ins never end by themselves: each gets an age limit and is bound to the

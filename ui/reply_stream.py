@@ -6,6 +6,7 @@ the turn, and the reply's speed kept for the line under it. A part of `ChatPage`
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,13 +21,39 @@ from ui.status_line import turn_status
 
 log = logging.getLogger("ui.chat_page")
 POLL_S = 0.4
-# A reply paints at most this often (its first text at once): each paint has Gradio process,
-# diff and send every output of the turn, Python work that took the model's CPU. Measured with
-# bench/page_latency.py at 8 users on the 2-core box: 50 ms left the page's streamed tokens/s
-# at 0.47-0.53x the API's, 100 ms at 0.53-0.76x (docs/PERFORMANCE.md)
+# A reply paints at most every PAINT_S (its first text and its end at once), and the page as a
+# whole at most PAINTS_PER_S times a second, shared by the replies streaming at once (each
+# paints at most every MAX_PAINT_S): every paint has Gradio process, diff and send every output
+# of the turn, Python work that takes the model's CPU. Measured with bench/page_latency.py at
+# 8 users on the 2-core box: a paint every 50 ms each left the page's streamed tokens/s at
+# 0.47-0.53x the API's, 100 ms at 0.53-0.76x (docs/PERFORMANCE.md)
 PAINT_S = 0.1
+PAINTS_PER_S = 40.0
+MAX_PAINT_S = 0.5
 AWAY_S = 2.0  # while its conversation is not on screen a reply yields this seldom
 PAGE = 100  # conversations the list holds before the user scrolls for more
+
+
+def paint_interval(streaming: int) -> float:
+    """How often each of `streaming` replies streaming at once paints: a lone reader gains
+    nothing from more than 1 / PAINT_S paints a second, and a crowd's paints give the model
+    back its CPU."""
+    return min(MAX_PAINT_S, max(PAINT_S, streaming / PAINTS_PER_S))
+
+
+class Streaming:
+    """How many replies stream on the page now, in every tab: it spaces each one's paints."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.count += n
+
+    def interval(self) -> float:
+        return paint_interval(self.count)
 
 
 def to_chatbot(messages: list[dict]) -> list[dict]:
@@ -56,6 +83,7 @@ class ReplyStream:
 
     sm: SessionManager
     reply_stats: StatsMemory
+    streaming: Streaming
     listing: Callable[[str, str | None, Screen], dict]
 
     def _stream(
@@ -154,9 +182,9 @@ class ReplyStream:
             return paint(note, convos=listing, busy=False, meta=meta_of(stored, self.reply_stats))
 
         def gathered(text: str) -> tuple[str, object]:
-            """`text` and what else arrives within PAINT_S of the last paint; and the event
-            that ended the wait (an End or a Failed), if any."""
-            while (left := painted[0] + PAINT_S - time.monotonic()) > 0:
+            """`text` and what else arrives within a paint interval of the last paint; and
+            the event that ended the wait (an End or a Failed), if any."""
+            while (left := painted[0] + self.streaming.interval() - time.monotonic()) > 0:
                 event = events.get(timeout=left)
                 if not isinstance(event, Delta):
                     return text, event
@@ -164,6 +192,7 @@ class ReplyStream:
             return text, None
 
         painted = [0.0]  # when the reply last painted (monotonic)
+        self.streaming.add(1)
         try:
             meta = meta_of(kept or [], self.reply_stats)
             yield paint(status_now(), self.listing(owner, sid, screen), meta=meta)
@@ -208,6 +237,7 @@ class ReplyStream:
                     elif event is not None:
                         held = event
         finally:
+            self.streaming.add(-1)
             if turn.status != "done":
                 turn.cancel()  # the browser went away (tab closed): free the batch slot
 
