@@ -38,15 +38,21 @@ def test_admin_login_and_memory_figures(browser: Browser, server: tuple) -> None
     context.close()
 
 
-def test_with_sign_in_the_page_signs_in_and_shows_the_api_keys_section(
+def test_with_sign_in_a_wrong_password_keeps_the_name_then_the_page_shows_the_api_keys(
     browser: Browser, nf4_model: LoadedModel, tmp_path: Path
 ) -> None:
     users = tmp_path / "users.txt"
     users.write_text(f"ann:{hash_password('s3cret-pass')}\n")
     with running_server(nf4_model, tmp_path / "data", auth_file=users) as (url, _, _):
-        # the sign-in form renders behind the Doors middleware
+        # the sign-in form renders behind the Doors middleware; a refusal says why and keeps
+        # the name (Gradio's own form emptied both fields)
         context, page = open_page(browser, url + "/")
-        log_in(page, "ann", "s3cret-pass")
+        log_in(page, "ann", "wrong password")
+        expect(page.get_by_text("Incorrect credentials")).to_be_visible(timeout=10_000)
+        expect(page.get_by_label("username")).to_have_value("ann")
+        expect(page.get_by_label("password")).to_have_value("")
+        page.get_by_label("password").fill("s3cret-pass")
+        page.get_by_role("button", name="Login").click()
         expect(page.locator("#message textarea")).to_be_visible(timeout=30_000)
         page.locator("#settings-open").click()  # the keys are in the settings dialog
         page.locator("#api-keys").get_by_role("button").first.click()

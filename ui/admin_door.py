@@ -1,5 +1,5 @@
-"""The admin page's front door: /admin without its slash, and (admin password mode) the sign-in
-form shown in place of Gradio's.
+"""The pages' front doors: /admin without its slash, and crowdchat's sign-in form shown in
+place of Gradio's (the chat page's with --auth, the admin page's in admin password mode).
 
 Starlette's mount at /admin matches /admin/... only; /admin itself, the address the server
 prints at start, fell through to the chat page's mount at "" and was a 404. And Gradio's own
@@ -8,6 +8,7 @@ fields on a 400), so the form here is a page of its own that posts to the same /
 
 from __future__ import annotations
 
+import html
 from functools import cache
 from pathlib import Path
 
@@ -31,24 +32,38 @@ def add_admin_redirect(app: FastAPI) -> None:
         return RedirectResponse("admin/", status_code=307)
 
 
+ADMIN_FORM = (
+    "crowdchat admin",
+    "Sign in as user <b>admin</b> with the server's admin password.",
+    "admin",
+)
+CHAT_FORM = ("crowdchat", "Sign in with your user name and password.", "")
+
+
 @cache
-def sign_in_html() -> str:
-    """static/admin_sign_in.html with its CSS and script inlined (one request, no asset
-    routes behind the admin door)."""
-    page = (STATIC / "admin_sign_in.html").read_text(encoding="utf-8")
-    css = (STATIC / "admin_sign_in.css").read_text(encoding="utf-8")
-    js = (STATIC / "admin_sign_in.js").read_text(encoding="utf-8")
+def sign_in_html(title: str, hint: str, user: str) -> str:
+    """static/sign_in.html with its CSS and script inlined (one request, no asset routes
+    behind the door): `title` and the `user` name filled in (text), `hint` (HTML)."""
+    page = (STATIC / "sign_in.html").read_text(encoding="utf-8")
+    css = (STATIC / "sign_in.css").read_text(encoding="utf-8")
+    js = (STATIC / "sign_in.js").read_text(encoding="utf-8")
+    page = page.replace("{title}", html.escape(title)).replace("{hint}", hint)
+    page = page.replace("{user}", html.escape(user))
     return page.replace("/*CSS*/", css).replace("/*JS*/", js)
 
 
 class SignInForm:
-    """ASGI middleware on the admin page's Gradio app (admin password mode): its page, asked
-    for without a valid sign-in, is crowdchat's sign-in form instead of Gradio's. Everything
-    else (/login, the page once signed in, its API) goes on to Gradio unchanged."""
+    """ASGI middleware on a page's Gradio app: its page, asked for without a valid sign-in, is
+    crowdchat's sign-in form (`form`: its title, hint and user name, as sign_in_html takes
+    them) instead of Gradio's. Everything else (/login, the page once signed in, its API)
+    goes on to Gradio unchanged."""
 
-    def __init__(self, app: ASGIApp, gradio: object) -> None:
+    def __init__(
+        self, app: ASGIApp, gradio: object, form: tuple[str, str, str] = ADMIN_FORM
+    ) -> None:
         self.app = app
         self.gradio = gradio  # the gradio App: its cookie_id and its tokens (doors.SignIns)
+        self.form = form
 
     def signed_in(self, scope: Scope) -> bool:
         cookies = Request(scope).cookies
@@ -66,7 +81,7 @@ class SignInForm:
             and not self.signed_in(scope)
         ):
             page = HTMLResponse(
-                sign_in_html(),
+                sign_in_html(*self.form),
                 headers={"Cache-Control": "no-store", "X-Frame-Options": "DENY"},
             )
             await page(scope, receive, send)

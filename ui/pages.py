@@ -20,7 +20,7 @@ from doors.identity import identity_of
 from doors.sign_ins import SignIns
 from engine import Backend
 from sessions import SessionManager
-from ui.admin_door import SignInForm, add_admin_redirect
+from ui.admin_door import CHAT_FORM, SignInForm, add_admin_redirect
 from ui.admin_page import build_admin_blocks
 from ui.auth import admin_checker, users_checker
 from ui.chat_blocks import build_chat_blocks
@@ -178,6 +178,10 @@ def mount_pages(
     )
     doors.resolver.gradio = gradio_app(app, "")
     doors.resolver.gradio.tokens = sign_ins
+    if users is not None:  # crowdchat's sign-in form: it keeps the name on a refusal
+        doors.resolver.gradio.add_middleware(
+            SignInForm, gradio=doors.resolver.gradio, form=CHAT_FORM
+        )
     if users is None and admin_password:  # the admin page's own sign-in
         gradio_app(app, "/admin").tokens = SignIns(max_age)  # type: ignore[attr-defined]
     doors.sign_ins = sign_ins

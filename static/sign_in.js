@@ -1,8 +1,9 @@
-// The admin page's sign-in. Gradio's own form empties the user name after a wrong password;
-// this one posts the same form to Gradio's /login and, when refused, says why and clears only
-// the password.
+// crowdchat's sign-in (the chat page's and the admin page's). Gradio's own form empties the
+// user name after a wrong password; this one posts the same form to Gradio's /login and, when
+// refused, says why and clears only the password.
 const form = document.getElementById("sign-in");
 const note = document.getElementById("note");
+(form.username.value ? form.password : form.username).focus();
 form.addEventListener("submit", async (event) => {
   event.preventDefault();
   note.textContent = "";
