@@ -26,7 +26,8 @@ POLL_S = 0.4
 # paints at most every MAX_PAINT_S): every paint has Gradio process, diff and send every output
 # of the turn, Python work that takes the model's CPU. Measured with bench/page_latency.py at
 # 8 users on the 2-core box: a paint every 50 ms each left the page's streamed tokens/s at
-# 0.47-0.53x the API's, 100 ms at 0.53-0.76x (docs/PERFORMANCE.md)
+# 0.47-0.53x the API's, 100 ms at 0.53-0.76x; this, with painted() in ui/chat_blocks.py,
+# 0.81-1.36x (median 0.88x, against 0.70x before in the same run; docs/PERFORMANCE.md)
 PAINT_S = 0.1
 PAINTS_PER_S = 40.0
 MAX_PAINT_S = 0.5
