@@ -99,7 +99,10 @@ class RequestHandle:
         self.num_hit_tokens = 0  # of them, found by the prefix cache (not the owner's own KV)
         self.admitted = False  # reached the running batch (else its prompt was never computed)
         self._cancel = cancel
-        self._ready = threading.Condition(threading.Lock())  # guards the four fields below
+        # guards the four fields below; the producer takes `_lock` itself, a C call where the
+        # Condition's `with` is a Python one (a row a step on the engine thread)
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
         self._pending: list[str] = []  # deltas the reader has not taken yet
         # tokens whose text the reader decodes (`_push_token`), with `detok`: off the engine
         # thread, whose every microsecond a step is a GPU step waiting
@@ -123,7 +126,7 @@ class RequestHandle:
     def _push_token(self, token: int) -> None:
         """A generated token whose text the reader decodes (`detok` set): the producer hands
         over ids only."""
-        with self._ready:
+        with self._lock:
             self._ids.append(token)
             if len(self._ids) > 1 or self._pending:
                 return  # the reader was told when the batch began

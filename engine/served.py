@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import threading
+from collections import Counter
 
 from engine.sequence import Sequence
 
@@ -22,6 +23,21 @@ def owner_label(user: str) -> str:
     return hashlib.sha256(user.encode()).hexdigest()[:12]
 
 
+def step_tokens(
+    decodes: list[Sequence], prefills: list[tuple[Sequence, int]]
+) -> dict[str, list[int]]:
+    """user -> [prompt tokens, generated tokens] of a planned step, users in the order they
+    first appear: each decode and each prompt-finishing chunk yields a token; chunks are prompt.
+    One pass a step, not one call a row (at 256 rows the per-row calls were ~0.1 ms a step)."""
+    made = Counter([s.user or s.owner or "" for s in decodes])  # user_of, inlined
+    step = {user: [0, n] for user, n in made.items()}
+    for seq, n in prefills:
+        row = step.setdefault(user_of(seq), [0, 0])
+        row[0] += n
+        row[1] += seq.num_computed + n == seq.num_tokens
+    return step
+
+
 class ServedTokens:
     """Prompt and generated tokens computed per user. The engine thread records each planned
     step; any thread may read `top`. Bounded: beyond SERVED_CAP users the least served half
@@ -32,15 +48,13 @@ class ServedTokens:
         self.rows: dict[str, list[int]] = {}  # user -> [prompt tokens, generated tokens]
         self.other = [0, 0]
 
-    def record(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> None:
-        """Each decode and each prompt-finishing chunk yields a token; chunks are prompt."""
+    def record(self, step: dict[str, list[int]]) -> None:
+        """A planned step's tokens: user -> [prompt tokens, generated tokens] (`step_tokens`)."""
         with self._lock:
-            for seq in decodes:
-                self._row(user_of(seq))[1] += 1
-            for seq, n in prefills:
-                row = self._row(user_of(seq))
-                row[0] += n
-                row[1] += seq.num_computed + n == seq.num_tokens
+            for user, (prompt, generated) in step.items():
+                row = self._row(user)
+                row[0] += prompt
+                row[1] += generated
             if len(self.rows) > SERVED_CAP:
                 self._fold()
 

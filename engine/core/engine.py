@@ -96,6 +96,7 @@ class Engine(ResidentKVCalls, EngineLoop, ConfigFacts):
         self.gauges: tuple[int, int, int] = (0, 0, 0)
         self._queue_positions: dict[int, int] = {}
         self._running_ids: frozenset[int] = frozenset()
+        self._running_seen = 0
         log.info(
             "%s: KV pool: %d blocks x %d tokens = %d tokens, %.1f MB (%s, %d bytes/token); "
             "model %.1f MB",

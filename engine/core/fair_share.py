@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 
 from engine.sequence import Sequence
-from engine.served import ServedTokens, user_of
+from engine.served import ServedTokens, step_tokens, user_of
 
 __all__ = ["FcfsPolicy", "SchedulePolicy", "VirtualTokenCounter", "make_policy", "max_min_share"]
 
@@ -75,15 +75,14 @@ class SchedulePolicy:
     # -- accounting -----------------------------------------------------------------------
     def charge(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]]) -> None:
         """Record a planned step: each decode and each prompt-finishing chunk yields a token."""
-        self.served.record(decodes, prefills)
-        for seq in decodes:
-            self.generated(seq)
-        for seq, n in prefills:
-            if seq.num_computed + n == seq.num_tokens:
-                self.generated(seq)
+        step = step_tokens(decodes, prefills)
+        self.served.record(step)
+        for user, (_, made) in step.items():
+            if made:
+                self.generated(user, made)
 
-    def generated(self, seq: Sequence) -> None:
-        """`seq` is about to produce one token (VTC charges it)."""
+    def generated(self, user: str, n: int) -> None:
+        """`user`'s sequences are about to produce `n` tokens (VTC charges them)."""
 
     def served_top(self, n: int) -> list[tuple[str, int, int]]:
         """The `n` most served users by label, then "other" (any thread; `ServedTokens.top`)."""
@@ -167,9 +166,11 @@ class VirtualTokenCounter(SchedulePolicy):
         user = user_of(seq)
         self.counters[user] = self.counter(user) + self.w_prompt * _prompt_cost(seq)
 
-    def generated(self, seq: Sequence) -> None:
-        user = user_of(seq)
-        self.counters[user] = self.counter(user) + self.w_gen
+    def generated(self, user: str, n: int) -> None:
+        counter = self.counter(user)
+        for _ in range(n):  # one addition a token, as a row at a time did: the same float
+            counter += self.w_gen
+        self.counters[user] = counter
 
     def prefill_order(
         self, running: list[Sequence], waiting: Iterable[Sequence]
@@ -221,7 +222,7 @@ class VirtualTokenCounter(SchedulePolicy):
         fake-model simulation). The hysteresis (a whole slot below, strictly above) means the
         swap cannot reverse at the next step; the victim is recomputed later, uncharged.
         """
-        if len(running) < max_num_seqs:
+        if len(running) < max_num_seqs or not waiting:  # nobody waits: demand is what is held
             return None
         held: dict[str, int] = {}
         for seq in running:

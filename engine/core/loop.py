@@ -47,6 +47,7 @@ class EngineLoop:
     gauges: tuple[int, int, int]
     _queue_positions: dict[int, int]
     _running_ids: frozenset[int]
+    _running_seen: int  # the scheduler's `running_changes` when `_running_ids` was built
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread and return its result (on the caller's thread once
@@ -160,4 +161,6 @@ class EngineLoop:
         self.gauges = (len(sched.running), len(sched.resident), sched.resident.num_blocks)
         order = sched.policy.admission_order(sched.waiting) if sched.waiting else []
         self._queue_positions = {s.seq_id: i for i, s in enumerate(order)}
-        self._running_ids = frozenset(s.seq_id for s in sched.running)
+        if self._running_seen != sched.running_changes:  # rebuilt only when it changed
+            self._running_seen = sched.running_changes
+            self._running_ids = frozenset(s.seq_id for s in sched.running)

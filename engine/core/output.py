@@ -61,8 +61,8 @@ class OutputProcessor:
             self.finish(req, FinishReason.CANCELLED)
 
     def count_admitted(self) -> None:
-        """Requests that reached the running batch leave the queue."""
-        for seq in self.scheduler.running:
+        """Requests that reached the running batch (in the last `schedule`) leave the queue."""
+        for seq in self.scheduler.just_admitted:
             req = self.requests.get(seq.seq_id)
             if req is not None and not req.admitted:
                 req.admitted = True
@@ -73,27 +73,55 @@ class OutputProcessor:
                 self.metrics.record_admission(time.monotonic())
 
     def process(self, plan: StepPlan, next_tokens: dict[Sequence, int], now: float) -> None:
-        """Record what the step computed and hand each sampled token to its request."""
+        """Record what the step computed and hand each sampled token to its request.
+
+        One pass a row, its work inlined: at 256 rows every call a row costs ~0.03 ms a step,
+        engine-thread time a GPU waits on."""
+        sched = self.scheduler
+        bs = sched.pool.block_size
         for seq in plan.decodes:
             seq.num_computed += 1
-            self.scheduler.cache_computed(seq)
+            if seq.num_computed // bs > seq.num_registered:  # a block filled: offer it
+                sched.cache_computed(seq)
         for seq, n in plan.prefills:
             seq.num_computed += n
-            self.scheduler.cache_computed(seq)
+            sched.cache_computed(seq)
+        itl: list[float] = []
+        ttft: list[float] = []
+        requests, stop_ids, max_len = self.requests, self.stop_ids, self.max_model_len
+        ended: list[tuple[Request, FinishReason]] = []
+        for seq, token in next_tokens.items():
+            if seq.last_token_at is None:
+                seq.first_token_at = now
+                ttft.append(now - seq.arrival)
+            else:
+                itl.append(now - seq.last_token_at)
+            seq.last_token_at = now
+            req = requests[seq.seq_id]
+            ids = seq.token_ids
+            ids.append(token)
+            req.handle.token_ids.append(token)
+            p = seq.params
+            if token in stop_ids and not p.ignore_eos:
+                ended.append((req, FinishReason.STOP))
+                continue
+            if req.detok is None:
+                req.handle._push_token(token)
+            else:
+                req.handle._push(req.detok.push(token))
+                if req.detok.stopped:
+                    ended.append((req, FinishReason.STOP))
+                    continue
+            if len(ids) - seq.num_prompt_tokens >= p.max_new_tokens or len(ids) >= max_len:
+                ended.append((req, FinishReason.LENGTH))
         m = self.metrics
         with m.lock:  # latencies: one acquisition a step, not one a row
-            for seq in next_tokens:
-                if seq.first_token_at is None:
-                    seq.first_token_at = now
-                    m.ttft.append(now - seq.arrival)
-                    m.ttft_hist.observe(now - seq.arrival)
-                else:
-                    m.itl.append(now - seq.last_token_at)
-                    m.itl_hist.observe(now - seq.last_token_at)
-                seq.last_token_at = now
-        requests = self.requests
-        for seq, token in next_tokens.items():
-            self._append(requests[seq.seq_id], token)
+            m.ttft.extend(ttft)
+            m.ttft_hist.observe_all(ttft)
+            m.itl.extend(itl)
+            m.itl_hist.observe_all(itl)
+        for req, reason in ended:
+            self.finish(req, reason)
 
     def fail(self, seqs: list[Sequence], error: str) -> None:
         for seq in seqs:
@@ -104,26 +132,6 @@ class OutputProcessor:
     def fail_all(self, error: str) -> None:
         for req in list(self.requests.values()):
             self.finish(req, FinishReason.ERROR, error)
-
-    def _append(self, req: Request, token: int) -> None:
-        seq, p, detok = req.seq, req.seq.params, req.detok
-        seq.token_ids.append(token)
-        req.handle.token_ids.append(token)
-        reason = None
-        if token in self.stop_ids and not p.ignore_eos:
-            reason = FinishReason.STOP
-        elif detok is None:
-            req.handle._push_token(token)
-        else:
-            req.handle._push(detok.push(token))
-            if detok.stopped:
-                reason = FinishReason.STOP
-        if reason is None and (
-            seq.num_generated >= p.max_new_tokens or seq.num_tokens >= self.max_model_len
-        ):
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            self.finish(req, reason)
 
     def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
         """End the request: free or retain its blocks, flush its text, wake its caller."""

@@ -57,6 +57,7 @@ class ResidentCache:
         self._loading: list[Reservation] = []  # blocks loads are filling
         self.num_dropped = 0  # entries dropped to make room (not by their owner's request)
         self.num_loaded_from_cache = 0  # tokens of loaded KV found in the prefix cache instead
+        self._num_blocks: int | None = 0  # `num_blocks`, None when an entry came or went
 
     def __contains__(self, owner: object) -> bool:
         return owner in self._entries
@@ -72,17 +73,24 @@ class ResidentCache:
 
     @property
     def num_blocks(self) -> int:
-        """Distinct blocks the entries hold (a block shared by several counts once)."""
-        return len({b for e in self._entries.values() for b in e.block_table})
+        """Distinct blocks the entries hold (a block shared by several counts once). Counted
+        again only after a change: the engine publishes it every step."""
+        if self._num_blocks is None:
+            self._num_blocks = len({b for e in self._entries.values() for b in e.block_table})
+        return self._num_blocks
 
     def put(self, owner: str, entry: ResidentKV) -> None:
         """Make `entry` the owner's resident KV (freeing any older one), most recent last."""
         self.drop(owner)
         self._entries[owner] = entry
+        self._num_blocks = None
 
     def take(self, owner: str) -> ResidentKV | None:
         """Remove the owner's entry without freeing its blocks (a sequence adopts them)."""
-        return self._entries.pop(owner, None)
+        entry = self._entries.pop(owner, None)
+        if entry is not None:
+            self._num_blocks = None
+        return entry
 
     def drop(self, owner: str) -> bool:
         """Free the owner's resident KV (a load in flight lets its blocks go when it
@@ -92,6 +100,7 @@ class ResidentCache:
         entry = self._entries.pop(owner, None)
         if entry is None:
             return False
+        self._num_blocks = None
         self.pool.free(entry.block_table)
         return True
 

@@ -46,6 +46,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.resident = ResidentCache(pool)
         self.num_preemptions = 0
+        self.just_admitted: list[Sequence] = []  # admitted by the last `schedule`
+        self.running_changes = 0  # counts changes to who is in `running` (not to its order)
         self.prefix_queries = 0  # prompt tokens admitted (vLLM's prefix-cache "queries")
         self.prefix_hits = 0  # of them, tokens whose KV was already there (shared or own)
         self.policy = policy or FcfsPolicy()
@@ -67,6 +69,7 @@ class Scheduler:
         """Take a sequence out of the queues and release or retain its blocks."""
         if seq in self.running:
             self.running.remove(seq)
+            self.running_changes += 1
         elif seq in self.waiting:
             self.waiting.remove(seq)
             self.policy.left(seq)
@@ -105,6 +108,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and requeue it at the front to recompute later."""
         self.running.remove(seq)
+        self.running_changes += 1
         self.pool.free(seq.block_table)  # its full blocks stay cached for its return
         seq.block_table = []
         seq.num_computed = 0
@@ -117,7 +121,11 @@ class Scheduler:
 
     def _grow_running(self, plan: StepPlan) -> None:
         """Give every running sequence the blocks its next tokens need, preempting if short."""
-        for seq in list(self.running):
+        bs = self.pool.block_size
+        # Only those past their last block need one (one a block_size of steps: the scan is the
+        # step's cost). Preempting never makes a sequence left running need more.
+        short = [s for s in self.running if len(s.token_ids) > len(s.block_table) * bs]
+        for seq in short:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted while making room for an older one
             need = self.pool.blocks_for(seq.num_tokens) - len(seq.block_table)
@@ -164,6 +172,8 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.waiting.remove(seq)
         self.running.append(seq)
+        self.running_changes += 1
+        self.just_admitted.append(seq)
         return True
 
     def cache_computed(self, seq: Sequence) -> None:
@@ -190,17 +200,23 @@ class Scheduler:
     def schedule(self, token_budget: int) -> StepPlan:
         """Plan one step under `token_budget` tokens (decodes always run)."""
         plan = StepPlan()
+        self.just_admitted = []
         victim = self.policy.slot_victim(self.running, self.waiting, self.max_num_seqs)
         if victim is not None:  # a user below its fair share of the slots takes one
             self._preempt(victim)
             plan.preempted.append(victim)
         self._grow_running(plan)
-        for seq in self.running:
-            if seq.num_uncomputed == 1:
-                plan.decodes.append(seq)
+        running = self.running
+        plan.decodes = [s for s in running if len(s.token_ids) - s.num_computed == 1]
+        # the rest have prompt left (none has nothing left: a step's token is always fed back)
+        prefilling = (
+            [s for s in running if len(s.token_ids) - s.num_computed > 1]
+            if len(plan.decodes) < len(running)
+            else []
+        )
         budget = max(token_budget - len(plan.decodes), MIN_PREFILL_CHUNK)
-        admitting = len(self.running) < self.max_num_seqs
-        for seq in self.policy.prefill_order(self.running, self.waiting):
+        admitting = len(running) < self.max_num_seqs
+        for seq in self.policy.prefill_order(prefilling, self.waiting):
             if budget <= 0:
                 break
             if seq.status is SequenceStatus.WAITING:
@@ -227,6 +243,8 @@ class Scheduler:
                 assert self.pool.refcount(b) == 1 and not self.pool.is_hashed(b), (seq.seq_id, b)
         for _, entry in self.resident.items():
             assert len(set(entry.block_table)) == len(entry.block_table)
+        recounted = {b for _, e in self.resident.items() for b in e.block_table}
+        assert self.resident.num_blocks == len(recounted)  # the count kept between changes
         self.pool.check_integrity(holders)
         assert not any(s.block_table for s in self.waiting)
         self.policy.check(self.waiting)
