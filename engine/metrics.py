@@ -6,7 +6,7 @@ import bisect
 import itertools
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,11 +36,15 @@ class Histogram:
         self.counts[-1] += 1
 
     def observe_all(self, values: list[float]) -> None:
-        """`observe` each value, in order (one step's rows at once)."""
-        counts, bounds = self.counts, self.bounds
+        """`observe` each value, in order (one step's rows at once: mostly one value, the
+        rows' tokens having come at the same steps)."""
+        total = self.sum
         for value in values:
-            self.sum += value
-            counts[bisect.bisect_left(bounds, value)] += 1  # the first bound >= value, or +Inf
+            total += value
+        self.sum = total
+        counts, bounds = self.counts, self.bounds
+        for value, n in Counter(values).items():
+            counts[bisect.bisect_left(bounds, value)] += n  # the first bound >= value, or +Inf
 
     def cumulative(self) -> list[tuple[str, int]]:
         """[(upper bound, observations <= it)], ending with '+Inf'."""

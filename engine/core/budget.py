@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 
 import numpy as np
 
@@ -12,7 +13,7 @@ from engine.model.plan import StepPlan
 
 def attention_work(plan: StepPlan) -> float:
     """Query-key pairs the step's attention computes (see StepTimer)."""
-    work = sum(s.num_computed + 1 for s in plan.decodes)
+    work = sum(map(attrgetter("num_computed"), plan.decodes)) + len(plan.decodes)  # C loop
     return work + sum(n * (s.num_computed + n / 2) for s, n in plan.prefills)
 
 

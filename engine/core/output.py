@@ -100,15 +100,19 @@ class OutputProcessor:
             req = requests[seq.seq_id]
             ids = seq.token_ids
             ids.append(token)
-            req.handle.token_ids.append(token)
+            handle = req.handle
+            handle.token_ids.append(token)
             p = seq.params
             if token in stop_ids and not p.ignore_eos:
                 ended.append((req, FinishReason.STOP))
                 continue
             if req.detok is None:
-                req.handle._push_token(token)
+                with handle._lock:  # handle._push_token(token), inlined
+                    handle._ids.append(token)
+                    if len(handle._ids) == 1 and not handle._pending:
+                        handle._wake()  # else the reader was told when the batch began
             else:
-                req.handle._push(req.detok.push(token))
+                handle._push(req.detok.push(token))
                 if req.detok.stopped:
                     ended.append((req, FinishReason.STOP))
                     continue
