@@ -27,6 +27,9 @@ class Request:
     # before the next step); None where the handle's reader decodes (`RequestHandle._detok`)
     detok: IncrementalDetokenizer | None
     admitted: bool = False  # left the queue (counts no more against --max-queue)
+    # set by `OutputProcessor.add`, so a step's pass reads two fields, not five
+    stops: frozenset[int] = frozenset()  # token ids that end it (none with ignore_eos)
+    end: int = 0  # its length (prompt + reply) at which it ends: max_new_tokens or the model's
 
 
 class OutputProcessor:
@@ -52,7 +55,10 @@ class OutputProcessor:
         self.requests: dict[int, Request] = {}
 
     def add(self, req: Request) -> None:
-        self.requests[req.seq.seq_id] = req
+        seq = req.seq
+        req.stops = frozenset() if seq.params.ignore_eos else self.stop_ids
+        req.end = min(seq.num_prompt_tokens + seq.params.max_new_tokens, self.max_model_len)
+        self.requests[seq.seq_id] = req
         self.scheduler.add(req.seq)
 
     def cancel(self, seq_id: int) -> None:
@@ -88,35 +94,36 @@ class OutputProcessor:
             sched.cache_computed(seq)
         itl: list[float] = []
         ttft: list[float] = []
-        requests, stop_ids, max_len = self.requests, self.stop_ids, self.max_model_len
+        requests = self.requests
         ended: list[tuple[Request, FinishReason]] = []
         for seq, token in next_tokens.items():
-            if seq.last_token_at is None:
+            last = seq.last_token_at
+            if last is None:
                 seq.first_token_at = now
                 ttft.append(now - seq.arrival)
             else:
-                itl.append(now - seq.last_token_at)
+                itl.append(now - last)
             seq.last_token_at = now
             req = requests[seq.seq_id]
             ids = seq.token_ids
             ids.append(token)
             handle = req.handle
             handle.token_ids.append(token)
-            p = seq.params
-            if token in stop_ids and not p.ignore_eos:
+            if token in req.stops:
                 ended.append((req, FinishReason.STOP))
                 continue
-            if req.detok is None:
+            detok = req.detok
+            if detok is None:
                 with handle._lock:  # handle._push_token(token), inlined
                     handle._ids.append(token)
                     if len(handle._ids) == 1 and not handle._pending:
                         handle._wake()  # else the reader was told when the batch began
             else:
-                handle._push(req.detok.push(token))
-                if req.detok.stopped:
+                handle._push(detok.push(token))
+                if detok.stopped:
                     ended.append((req, FinishReason.STOP))
                     continue
-            if len(ids) - seq.num_prompt_tokens >= p.max_new_tokens or len(ids) >= max_len:
+            if len(ids) >= req.end:  # max_new_tokens generated, or the model's length
                 ended.append((req, FinishReason.LENGTH))
         m = self.metrics
         with m.lock:  # latencies: one acquisition a step, not one a row
