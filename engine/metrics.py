@@ -43,8 +43,12 @@ class Histogram:
             total += value
         self.sum = total
         counts, bounds = self.counts, self.bounds
+        if len(values) < 16:  # few: a Counter costs more than it saves
+            for value in values:
+                counts[bisect.bisect_left(bounds, value)] += 1  # the first bound >= value, or +Inf
+            return
         for value, n in Counter(values).items():
-            counts[bisect.bisect_left(bounds, value)] += n  # the first bound >= value, or +Inf
+            counts[bisect.bisect_left(bounds, value)] += n
 
     def cumulative(self) -> list[tuple[str, int]]:
         """[(upper bound, observations <= it)], ending with '+Inf'."""
