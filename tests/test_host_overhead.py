@@ -54,9 +54,14 @@ def test_observing_a_steps_latencies_at_once_equals_one_at_a_time() -> None:
     values = [rng.choice([*ITL_BUCKETS, 0.0, 7.0]) for _ in range(100)]  # bounds themselves too
     values += [rng.uniform(0, 3) for _ in range(400)]
     one, all_ = Histogram(ITL_BUCKETS), Histogram(ITL_BUCKETS)
+    rng.shuffle(values)
     for v in values:
         one.observe(v)
-    all_.observe_all(values)
+    i = 0
+    while i < len(values):  # steps of a few rows and of many
+        n = rng.choice([0, 1, 3, 15, 16, 64, 200])
+        all_.observe_all(values[i : i + n])
+        i += n
     assert all_.counts == one.counts and all_.sum == one.sum
 
 
