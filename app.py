@@ -76,7 +76,9 @@ def build_app(
     sessions.share_links = doors.sharing  # every door that makes links asks the manager
     if users is not None:  # a disabled user's links read as gone (a user:NAME owner only)
         sessions.owner_active = functools.partial(_user_active, users)
-    app.include_router(build_router(engine, sessions, engine.model_id, doors.sharing))
+    app.include_router(
+        build_router(engine, sessions, engine.model_id, doors.sharing, config.end_user_header)
+    )
     app.include_router(build_metrics_router(engine, sessions))
     app.include_router(build_download_router(sessions))  # the chat page's export links
     app.include_router(build_share_router(sessions, doors.sharing))  # share links' readers

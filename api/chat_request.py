@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from api.errors import ApiError
@@ -12,6 +13,7 @@ from engine import InvalidRequest, SamplingParams
 from engine.sequence import PENALTIES
 
 DEFAULT_MAX_TOKENS = 256
+MAX_END_USER_CHARS = 256  # OpenAI's own examples are hashes of 64 hex digits
 # An OpenAI chat body nests 5 deep (messages, a message, content parts, a part); 64 leaves
 # room for any client's extras, and refusing past it keeps a `[[[[...` body from recursing
 # through the parser (Python's own limit, ~1000, surfaced as a 500).
@@ -220,6 +222,38 @@ def parse_params(body: dict, max_model_len: int) -> SamplingParams:
             message = message.replace(engine_name, api_name)
         first = message.split(" ", 1)[0]
         raise ApiError(message, param=first if first in body else None) from None
+
+
+def parse_end_user(body: dict, headers: Mapping[str, str], header: str = "") -> str | None:
+    """The end user a client serves this request for: the value of the header the operator
+    named (--end-user-header), else OpenAI's `user` field; None when neither is sent. A name
+    must be printable text of 1 to MAX_END_USER_CHARS characters (ApiError otherwise), as it
+    keys the per-user limits."""
+    if header and (value := headers.get(header)) is not None:
+        return _end_user_name(value, header)
+    value = body.get("user")
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ApiError(
+            f"user must be a string naming your end user, got {type(value).__name__}",
+            param="user",
+        )
+    return _end_user_name(value, "user")
+
+
+def _end_user_name(value: str, param: str) -> str:
+    value = value.strip()
+    if not value:
+        raise ApiError(f"{param} must not be empty (leave it out instead)", param=param)
+    if len(value) > MAX_END_USER_CHARS:
+        raise ApiError(
+            f"{param} must have at most {MAX_END_USER_CHARS} characters, got {len(value)}",
+            param=param,
+        )
+    if not value.isprintable():
+        raise ApiError(f"{param} must not contain control characters", param=param)
+    return value
 
 
 def parse_chat_request(

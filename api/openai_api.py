@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from api.chat_request import ChatRequest, parse_chat_request, parse_json_object
+from api.chat_request import ChatRequest, parse_chat_request, parse_end_user, parse_json_object
 from api.errors import ApiError, error_body, error_response
 from api.sessions_api import build_sessions_router, owner_of, with_session_settings
 from engine import Backend
@@ -51,17 +51,22 @@ async def _next_or_gone(stream: AsyncRelay, request: Request) -> Event | None:
 
 
 def build_router(
-    engine: Backend, sessions: SessionManager, model_name: str, share_links: bool = True
+    engine: Backend,
+    sessions: SessionManager,
+    model_name: str,
+    share_links: bool = True,
+    end_user_header: str = "",
 ) -> APIRouter:
-    """The /v1 routes over a running engine and session manager."""
+    """The /v1 routes over a running engine and session manager. `end_user_header`: the
+    header (lower case) that names a request's end user besides the `user` field ('' none)."""
     router = APIRouter()
     router.include_router(build_sessions_router(sessions, share_links))
     started = int(time.time())
 
-    def start(owner: str, sid: str | None, req: ChatRequest) -> Reply:
+    def start(owner: str, sid: str | None, req: ChatRequest, end_user: str | None) -> Reply:
         """Worker thread: submit a one-off conversation, or the new turn of a session."""
         if sid is None:
-            return sessions.complete(owner, req.messages, req.params)
+            return sessions.complete(owner, req.messages, req.params, end_user)
         last = req.messages[-1]
         if last["role"] != "user":
             sessions.get_session(owner, sid)  # an unknown session is a 404 before a 400
@@ -70,7 +75,7 @@ def build_router(
                 "(the server keeps the history)",
                 param="messages",
             )
-        return sessions.chat(owner, sid, last["content"], req.params)
+        return sessions.chat(owner, sid, last["content"], req.params, end_user)
 
     @router.get("/v1/models")
     async def list_models() -> Response:
@@ -99,7 +104,8 @@ def build_router(
             req = parse_chat_request(
                 body, engine.max_model_len, sessions.config.max_messages_per_request
             )
-            source = await asyncio.to_thread(start, owner, sid, req)
+            end_user = parse_end_user(body, request.headers, end_user_header)
+            source = await asyncio.to_thread(start, owner, sid, req, end_user)
         except Exception as e:  # noqa: BLE001 - every error becomes an OpenAI-style body
             return error_response(e)
         stream = AsyncRelay(source)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -12,6 +13,7 @@ from engine.settings import Settings, setting
 
 SHARE_LINKS = ("signed-in", "public", "off")
 UI_CHOICES = ("on", "off")
+HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")  # RFC 9110's token
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,13 @@ class AppConfig(Settings):
         "addresses or networks (comma-separated: 127.0.0.1,10.0.0.0/8) of reverse proxies whose "
         "X-Forwarded-For and X-Forwarded-Proto are believed; off: the connecting address is "
         "the client, whatever headers it sends",
+    )
+    end_user_header: str = setting(
+        "",
+        "a request header (X-End-User) by which a client (your app's backend, your gateway) "
+        "names the end user it sends a request for, as OpenAI's `user` field does; the "
+        "per-user limits then count that end user, and --tokens-per-minute-per-client all of "
+        "the client's; off: the `user` field alone",
     )
     share_links: str = setting(
         "signed-in",
@@ -125,6 +134,11 @@ class AppConfig(Settings):
                 ipaddress.ip_network(proxy, strict=False)
             except ValueError:
                 need(False, f"--trusted-proxy: {proxy!r} is not an address or network")
+        need(
+            self.end_user_header == "" or HEADER_NAME.fullmatch(self.end_user_header) is not None,
+            f"--end-user-header: {self.end_user_header!r} is not a header name",
+        )
+        object.__setattr__(self, "end_user_header", self.end_user_header.lower())
         need(self.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024")
         for name in ("new_identities_per_minute", "login_failures_per_name",
                      "login_failures_per_address", "imports_per_minute",

@@ -119,5 +119,9 @@ def session_stats(store: Store, residency: Residency, admission: Admission) -> S
             f"{time.strftime('%H:%M:%S', time.localtime(st.retry_at))}"
             for sid, st in off.persist_failing().items()
         },
-        refused_by={"tokens": admission.limiter.refused, **admission.caps.refused},
+        refused_by={
+            "tokens": admission.limiter.refused,
+            "tokens_per_client": admission.client_limiter.refused,
+            **admission.caps.refused,
+        },
     )

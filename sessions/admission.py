@@ -1,5 +1,10 @@
 """What a request must pass before the engine sees it: the per-identity caps, then the token
-budget, charged when the work is admitted and settled when it ends."""
+budget, charged when the work is admitted and settled when it ends.
+
+A client (an address of the open API, an API key, a browser) that serves people of its own (an
+app's backend) may name the end user of a request: the per-user limits then count that end
+user within the client (`limit_key`), and all the client's requests together count against
+--tokens-per-minute-per-client, so a new name per request buys no more than that cap."""
 
 from __future__ import annotations
 
@@ -14,14 +19,24 @@ from sessions.limits import Reservation, TokenRateLimiter
 from sessions.state import SessionState
 
 
+def limit_key(owner: str, end_user: str | None) -> str:
+    """Whom the per-user limits count: the caller `owner`, or the end user it named (within
+    that caller: the same name from two callers is two people). An end user's name holds no
+    control character (the API checks), so the separator cannot be forged."""
+    return owner if end_user is None else f"{owner}\x1fend-user:{end_user}"
+
+
 @dataclass
 class Ticket:
     """One admitted request: its place among the owner's requests in flight and, once its
-    prompt is known, the tokens reserved for it."""
+    prompt is known, the tokens reserved for it, against its user's budget (`who`: the owner
+    or the end user it named) and against its client's (`owner`'s) cap."""
 
     owner: str
+    who: str
     slot: Slot
     reservation: Reservation | None = None
+    client_reservation: Reservation | None = None
 
 
 def cost(handle: RequestHandle | None) -> int:
@@ -48,6 +63,11 @@ class Admission:
     def __init__(self, config: SessionConfig) -> None:
         self.config = config
         self.limiter = TokenRateLimiter(config.tokens_per_minute)
+        self.client_limiter = TokenRateLimiter(
+            config.tokens_per_minute_per_client,
+            scope="per client, all its end users together (--tokens-per-minute-per-client)",
+            subject="your address or key has",
+        )
         self.caps = IdentityCaps(config)
 
     def clamp(self, params: SamplingParams) -> SamplingParams:
@@ -60,11 +80,12 @@ class Admission:
         return params
 
     @contextmanager
-    def holding(self, owner: str, turn: bool) -> Iterator[Ticket]:
-        """A ticket for one request of `owner` (RateLimited beyond a cap); if the block
-        raises, the ticket is given back uncharged. Otherwise whoever the block handed the
-        ticket to must `end` it."""
-        ticket = Ticket(owner, self.caps.admit(owner, turn))
+    def holding(self, owner: str, turn: bool, end_user: str | None = None) -> Iterator[Ticket]:
+        """A ticket for one request of `owner` for `end_user` (None: the owner's own), or
+        RateLimited beyond a cap; if the block raises, the ticket is given back uncharged.
+        Otherwise whoever the block handed the ticket to must `end` it."""
+        who = limit_key(owner, end_user)
+        ticket = Ticket(owner, who, self.caps.admit(owner, turn, who))
         try:
             yield ticket
         except BaseException:
@@ -73,16 +94,18 @@ class Admission:
 
     def reserve(self, ticket: Ticket, prompt_tokens: int, params: SamplingParams) -> None:
         """Hold the prompt tokens to compute plus the whole reply budget (RateLimited if that
-        passes the owner's budget)."""
+        passes the user's budget or the client's cap; the holder ends the ticket then)."""
         assert ticket.reservation is None, "a ticket reserves once"
-        ticket.reservation = self.limiter.reserve(
-            ticket.owner, prompt_tokens + params.max_new_tokens
-        )
+        tokens = prompt_tokens + params.max_new_tokens
+        ticket.reservation = self.limiter.reserve(ticket.who, tokens)
+        ticket.client_reservation = self.client_limiter.reserve(ticket.owner, tokens)
 
     def end(self, ticket: Ticket, charged: int) -> None:
         """The request ended having cost `charged` tokens: settle and free its place."""
         if ticket.reservation is not None:
             self.limiter.settle(ticket.reservation, charged)
+        if ticket.client_reservation is not None:
+            self.client_limiter.settle(ticket.client_reservation, charged)
         self.caps.release(ticket.slot)
 
     def usage(self, owner: str, conversations: int) -> dict[str, int | float]:
@@ -108,4 +131,5 @@ class Admission:
     @property
     def refused(self) -> int:
         """Requests and creations refused by a cap or the token budget."""
-        return self.limiter.refused + sum(self.caps.refused.values())
+        tokens = self.limiter.refused + self.client_limiter.refused
+        return tokens + sum(self.caps.refused.values())

@@ -17,10 +17,12 @@ from sessions.errors import RateLimited
 
 @dataclass
 class Slot:
-    """One request in flight for `owner` (`turn`: a session's reply) until `release`."""
+    """One request in flight for `owner` (`turn`: a session's reply, counted for `who`: the
+    owner or the end user it named) until `release`."""
 
     owner: str
     turn: bool
+    who: str
     released: bool = False
 
 
@@ -38,14 +40,17 @@ class IdentityCaps:
         self._creating: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()  # cap name -> refusals
 
-    def admit(self, owner: str, turn: bool) -> Slot:
-        """A slot for one request of `owner`, or RateLimited if a cap is reached."""
+    def admit(self, owner: str, turn: bool, who: str | None = None) -> Slot:
+        """A slot for one request of `owner`, or RateLimited if a cap is reached. The turns
+        cap counts `who` (an end user the owner named; default: the owner); the requests
+        cap, the owner's requests of all its end users together."""
         c = self.config
+        who = owner if who is None else who
         with self._lock:
-            if turn and c.max_turns_per_user and self._turns[owner] >= c.max_turns_per_user:
+            if turn and c.max_turns_per_user and self._turns[who] >= c.max_turns_per_user:
                 self._refuse(
                     "turns",
-                    f"you already have {self._turns[owner]} conversations answering at once "
+                    f"you already have {self._turns[who]} conversations answering at once "
                     f"(the limit is {c.max_turns_per_user} per user); wait for one to finish "
                     "or press Stop",
                 )
@@ -57,8 +62,8 @@ class IdentityCaps:
                 )
             self._requests[owner] += 1
             if turn:
-                self._turns[owner] += 1
-        return Slot(owner, turn)
+                self._turns[who] += 1
+        return Slot(owner, turn, who)
 
     def release(self, slot: Slot) -> None:
         """The request ended (idempotent)."""
@@ -68,7 +73,7 @@ class IdentityCaps:
             slot.released = True
             _decrement(self._requests, slot.owner)
             if slot.turn:
-                _decrement(self._turns, slot.owner)
+                _decrement(self._turns, slot.who)
 
     def in_flight(self, owner: str) -> tuple[int, int]:
         """(requests, turns) of `owner` in flight."""

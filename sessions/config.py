@@ -35,6 +35,15 @@ class SessionConfig(Settings):
     tokens_per_minute: int = setting(
         20_000, "per-user budget of new prompt + generated tokens (0: off)"
     )
+    # An app's backend sends many people's turns as one client; where it names them (the
+    # `user` field, --end-user-header) each has the per-user budget and this caps their sum,
+    # so a new name per request buys at most this. The crowd of bench/crowd.py at 4.5
+    # conversations/s computes ~30,000 tokens a minute from one address.
+    tokens_per_minute_per_client: int = setting(
+        100_000,
+        "budget of new prompt + generated tokens per client (an address of the open API, an "
+        "API key, a browser), all the end users it names together (0: off)",
+    )
     max_turns_per_user: int = setting(4, "conversations answering at once per user (0: no cap)")
     # beyond the batch they wait in the engine's queue, which fair share orders across users,
     # so one identity's many requests (an app serving its own users) wait behind others' few
@@ -78,6 +87,10 @@ class SessionConfig(Settings):
         need(self.max_import_mb > 0, "--max-import-mb must be > 0")
         need(self.max_tokens_per_turn >= 1, "--max-tokens-per-turn must be >= 1")
         need(self.tokens_per_minute >= 0, "--tokens-per-minute must be >= 0 (0: off)")
+        need(
+            self.tokens_per_minute_per_client >= 0,
+            "--tokens-per-minute-per-client must be >= 0 (0: off)",
+        )
         for name in (
             "max_turns_per_user",
             "max_requests_per_user",

@@ -36,8 +36,12 @@ class TokenRateLimiter:
     (else a turn bigger than the whole budget could never run). A limit of 0 turns it off.
     """
 
-    def __init__(self, tokens_per_minute: int) -> None:
+    def __init__(
+        self, tokens_per_minute: int, scope: str = "per user", subject: str = "you have"
+    ) -> None:
         self.limit = tokens_per_minute
+        self.scope = scope  # how a refusal names the limit and who used the tokens
+        self.subject = subject
         self._used: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
         self._reserved: dict[str, int] = defaultdict(int)
         self._lock = threading.Lock()
@@ -130,6 +134,6 @@ class TokenRateLimiter:
         flight = f" and {held} are held by your replies in progress" if held else ""
         when = "when a reply ends or " if held else ""
         return (
-            f"you have used {used} tokens in the last minute{flight}; this request needs "
-            f"{tokens} more (the limit is {self.limit} per user); try again {when}in {wait} s"
+            f"{self.subject} used {used} tokens in the last minute{flight}; this request needs "
+            f"{tokens} more (the limit is {self.limit} {self.scope}); try again {when}in {wait} s"
         )

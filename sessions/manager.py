@@ -179,15 +179,21 @@ class SessionManager(BranchTurns, TurnLife, Transfers):
         self.store.delete_session(sid)
 
     # -- replies ------------------------------------------------------------------------
-    def complete(self, owner: str, messages: list[Message], params: SamplingParams) -> Reply:
+    def complete(
+        self,
+        owner: str,
+        messages: list[Message],
+        params: SamplingParams,
+        end_user: str | None = None,
+    ) -> Reply:
         """Answer a whole conversation sent at once (no session). Its whole prompt and its
-        reply budget are reserved when it is admitted; what it did not use comes back when
-        it ends."""
+        reply budget are reserved when it is admitted, against `end_user`'s budget where the
+        owner names one (Admission); what it did not use comes back when it ends."""
         cap = self.config.max_messages_per_request
         if len(messages) > cap:
             raise InvalidRequest(f"the request has {len(messages)} messages; the limit is {cap}")
         params = self.admission.clamp(params)
-        with self.admission.holding(owner, turn=False) as ticket:
+        with self.admission.holding(owner, turn=False, end_user=end_user) as ticket:
             cleaned = clean_messages(messages, self.config.max_message_chars)
             ids = self.prompts.encode(cleaned, self.engine.max_model_len)
             self.admission.reserve(ticket, len(ids), params)
@@ -203,9 +209,17 @@ class SessionManager(BranchTurns, TurnLife, Transfers):
         end = functools.partial(self._end_one_off, ticket=ticket)
         return OneOffReply(handle, self.engine.queue_position, on_end=end)
 
-    def chat(self, owner: str, sid: str, text: str, params: SamplingParams) -> ChatTurn:
+    def chat(
+        self,
+        owner: str,
+        sid: str,
+        text: str,
+        params: SamplingParams,
+        end_user: str | None = None,
+    ) -> ChatTurn:
         """Add the user's message at the end of the active path (committed before anything
-        streams) and start the reply."""
+        streams) and start the reply (counted against `end_user`'s limits where the owner
+        names one; the conversation stays the owner's)."""
         self.get_session(owner, sid)
         text = clean_text(text, self.config.max_message_chars)
 
@@ -221,7 +235,7 @@ class SessionManager(BranchTurns, TurnLife, Transfers):
                 ),
             )
 
-        return self._turn(owner, sid, params, plan)
+        return self._turn(owner, sid, params, plan, end_user)
 
     def prefetch(self, owner: str, sid: str) -> None:
         """The user opened this conversation: bring its KV back while they type."""

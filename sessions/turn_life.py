@@ -77,13 +77,17 @@ class TurnLife:
         sid: str,
         params: SamplingParams,
         plan: Callable[[dict, list[dict]], TurnPlan],
+        end_user: str | None = None,
     ) -> ChatTurn:
         """The one setup of every turn (chat, regenerate, edit): claim the session, hold a turn
         slot, start its KV restore, plan the turn from the session and its history as they
         are now, encode, reserve its tokens, write what it commits up front, start it."""
         params = self.admission.clamp(params)
         self.quota.check(owner, 0, "a new message")  # its reply may end a little past it
-        with self._claimed(sid) as session, self.admission.holding(owner, turn=True) as ticket:
+        with (
+            self._claimed(sid) as session,
+            self.admission.holding(owner, turn=True, end_user=end_user) as ticket,
+        ):
             restore = self._begin_restore(sid, session)
             turn = plan(session, self.store.messages(sid))
             prompt = self.prompts.encode_fitting(turn.convo, params)

@@ -113,6 +113,19 @@ def test_turns_past_the_per_user_cap_get_429_and_others_are_served(
         assert chat(url, "listener", session=other).status_code == 200
 
 
+def test_the_turns_cap_counts_each_end_user_a_client_names(server: tuple[str, object]) -> None:
+    url, _sm = server
+    first, second = (create(url, "app-backend").json()["id"] for _ in range(2))
+    with httpx.Client(timeout=120) as client:
+        held = {**key("app-backend"), "X-Session-Id": first}
+        body = {**LONG, "user": "alice"}
+        with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=held) as r:
+            assert r.status_code == 200
+            e = error(chat(url, "app-backend", session=second, user="alice"), 429)
+            assert "1 conversations answering at once" in e["message"]
+            assert chat(url, "app-backend", session=second, user="bob").status_code == 200
+
+
 def test_conversations_past_the_per_user_cap_get_429(server: tuple[str, object]) -> None:
     url, _sm = server
     for _ in range(3):
