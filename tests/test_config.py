@@ -93,6 +93,13 @@ def test_an_environment_variable_overrides_a_default_and_a_flag_overrides_both(
         (EngineConfig, {"cpu_bf16_above": -1}, "--cpu-bf16-above must be >= 0"),
         (SessionConfig, {"max_tokens_per_turn": 0}, "--max-tokens-per-turn must be >= 1"),
         (SessionConfig, {"tokens_per_minute": -1}, "--tokens-per-minute must be >= 0"),
+        (
+            SessionConfig,
+            {"tokens_per_minute_per_client": -1},
+            "--tokens-per-minute-per-client must be >= 0",
+        ),
+        (AppConfig, {"end_user_header": "X End User"}, "--end-user-header: 'X End User' is not"),
+        (AppConfig, {"end_user_header": "X-User:"}, "--end-user-header: 'X-User:' is not"),
     ],
 )
 def test_a_bad_value_is_an_error_that_names_its_flag(cls: type, settings: dict, match: str) -> None:
