@@ -4,13 +4,14 @@ the same loads, one server at a time.
 
 The load (bench/crowd_load.py): conversations arriving as a Poisson process, 6 rounds each with
 an exponential think time, a ~300-token shared system prompt, varied messages, 64-token replies,
-every request from this one client. Per arrival rate: TTFT, TPOT and reply latency
-p50/p95/p99, errors, and goodput (requests a second within the SLO). A server's capacity is the
-highest rate at which `--attainment` of its requests meet the SLO. `--ceiling` adds crowdchat's
-memory ceiling: the same crowd in sessions mode with a KV pool a tenth of the crowd's KV,
-against the same crowd with an unconstrained pool (returning users' TTFT, restores, disk bytes,
-RSS over time). Prints one JSON object per point, then a summary line; `--plot FILE.svg` draws
-goodput against arrival rate."""
+every request from this one client, each conversation naming its person in OpenAI's `user`
+field (`--no-end-users`: none), as an app's backend would. Per arrival rate: TTFT, TPOT and
+reply latency p50/p95/p99, errors (`refused`: HTTP 429s), and goodput (requests a second
+within the SLO). A server's capacity is the highest rate at which `--attainment` of its
+requests meet the SLO. `--ceiling` adds crowdchat's memory ceiling: the same crowd in sessions
+mode with a KV pool a tenth of the crowd's KV, against the same crowd with an unconstrained
+pool (returning users' TTFT, restores, disk bytes, RSS over time). Prints one JSON object per
+point, then a summary line; `--plot FILE.svg` draws goodput against arrival rate."""
 
 from __future__ import annotations
 
@@ -48,9 +49,18 @@ def sweep(name: str, base: str, args: argparse.Namespace, mode: str) -> list[dic
     asyncio.run(run_load(base, warm, drain_s=120))
     points = []
     for i, rate in enumerate(args.rates):
-        load = Load(rate, args.seconds, args.rounds, args.think_mean, args.reply_tokens, mode, i)
+        load = Load(
+            rate,
+            args.seconds,
+            args.rounds,
+            args.think_mean,
+            args.reply_tokens,
+            mode,
+            i,
+            end_users=not args.no_end_users,
+        )
         crowd, wall = asyncio.run(run_load(base, load, drain_s=args.drain))
-        point = {"server": name, "mode": mode, "rate": rate}
+        point = {"server": name, "mode": mode, "rate": rate, "end_users": load.end_users}
         point |= judge(crowd, wall, args.slo_ttft, args.slo_tpot)
         print(json.dumps(point), flush=True)
         points.append(point)
@@ -278,7 +288,17 @@ def main() -> None:
     ap.add_argument("--stop-below", type=float, default=0.5, help="stop a sweep past this")
     ap.add_argument("--drain", type=float, default=300)
     ap.add_argument("--sessions", action="store_true", help="crowdchat in sessions mode too")
-    ap.add_argument("--crowdchat-args", default="", help="flags for app.py (default: defaults)")
+    ap.add_argument(
+        "--crowdchat-args",
+        default="",
+        help="flags for app.py (default: its defaults, the limits on: the per-user ones count "
+        "each conversation's end user, --tokens-per-minute-per-client the crowd)",
+    )
+    ap.add_argument(
+        "--no-end-users",
+        action="store_true",
+        help="send no `user` field: the whole crowd is one user to the server's limits",
+    )
     ap.add_argument("--slots", type=int, default=32, help="llama-server -np")
     ap.add_argument("--llamacpp-threads", default="1,2")
     ap.add_argument("--vllm-dtype", default="auto")

@@ -2,8 +2,10 @@
 an exponential think time between them, over one shared system prompt, against any
 OpenAI-compatible server. Two modes: `stateless` resends the whole history each round (any
 server), `sessions` keeps it on a crowdchat server (`X-Session-Id`, only the new message sent).
-Every request is timed (time to first token, time per output token, reply latency) and judged
-against an SLO; bench/crowd.py sweeps arrival rates over this and finds each server's capacity."""
+Every conversation names its person in OpenAI's `user` field (`Load.end_users`), as an app's
+backend serving its users from one address would. Every request is timed (time to first token,
+time per output token, reply latency) and judged against an SLO; bench/crowd.py sweeps arrival
+rates over this and finds each server's capacity."""
 
 from __future__ import annotations
 
@@ -86,6 +88,9 @@ class Load:
     reply_tokens: int = 64
     mode: str = "stateless"  # or "sessions" (crowdchat only)
     seed: int = 0
+    # each conversation names its person in OpenAI's `user` field, as an app's backend would:
+    # a crowdchat server's per-user limits then count each of them, not this one client
+    end_users: bool = True
 
 
 @dataclass
@@ -157,7 +162,9 @@ async def conversation(
     for rnd, text in enumerate(conversation_script(rng, load.rounds)):
         message = {"role": "user", "content": text}
         sent = [*history, message] if load.mode == "stateless" else [message]
-        body = {**stream_body(sent, load.reply_tokens), "user": user_id}
+        body = stream_body(sent, load.reply_tokens)
+        if load.end_users:
+            body["user"] = user_id
         if model:
             body["model"] = model
         sample, reply = await one_request(http, body, headers, rnd)
@@ -221,6 +228,7 @@ def judge(crowd: Crowd, wall_s: float, slo_ttft_s: float, slo_tpot_s: float) -> 
         "goodput_rps": round(len(met) / wall_s, 3) if wall_s else None,
         "slo_attainment": round(len(met) / len(crowd.samples), 4) if crowd.samples else None,
         "errors": errors,
+        "refused": errors.get("http_429", 0),
         "returning_ttft_p50_s": pct(returning, 50),
         "returning_ttft_p95_s": pct(returning, 95),
     }

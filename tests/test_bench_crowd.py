@@ -5,8 +5,11 @@ import argparse
 import asyncio
 import random
 
+import pytest
+
 from bench.crowd import capacity, plot_svg, summarize
 from bench.crowd_load import Crowd, Load, Sample, conversation_script, judge, run_load
+from tests.web import running_server
 
 
 def test_a_conversation_script_is_varied_and_seeded():
@@ -27,7 +30,7 @@ def test_a_request_meets_the_slo_only_within_both_bounds_and_without_error():
     )
     p = judge(crowd, wall_s=2.0, slo_ttft_s=1.0, slo_tpot_s=0.1)
     assert p["slo_attainment"] == 0.25 and p["goodput_rps"] == 0.5
-    assert p["errors"] == {"http_429": 1}
+    assert p["errors"] == {"http_429": 1} and p["refused"] == 1
     assert p["returning_ttft_p50_s"] == 0.8  # rounds after the first: 1.5 and 0.1
     assert p["tpot_p50_s"] == 0.05  # of 0.05, 0.5 / 63 and 0.2 s a token
 
@@ -76,3 +79,22 @@ def test_the_crowd_runs_against_the_real_app_in_both_modes(server):
         assert crowd.conversations >= 1 and crowd.finished == crowd.conversations, p
         assert p["errors"] == {} and p["requests"] == 2 * crowd.conversations
         assert p["slo_attainment"] == 1.0 and p["returning_ttft_p50_s"] is not None
+
+
+def test_a_crowd_naming_its_end_users_is_served_where_one_identity_is_refused(
+    nf4_model, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    # a per-user budget above any one conversation's cost (a ~330-token prompt, then ~60 a
+    # round) and below the crowd's: the crowd from one address is served only user by user
+    with running_server(
+        nf4_model,
+        tmp_path_factory.mktemp("crowd_users"),
+        session_overrides={"tokens_per_minute": 1000},
+    ) as (base, _engine, _sm):
+        points = {}
+        for end_users in (True, False):
+            load = Load(4, 2, rounds=2, think_mean_s=0.1, reply_tokens=32, end_users=end_users)
+            crowd, wall = asyncio.run(run_load(base, load, drain_s=120))
+            points[end_users] = judge(crowd, wall, slo_ttft_s=60, slo_tpot_s=10)
+    assert points[True]["refused"] == 0 and points[True]["errors"] == {}, points[True]
+    assert points[False]["refused"] > 0, points[False]
