@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
+from starlette.types import ASGIApp
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from api.downloads import build_download_router
@@ -199,6 +200,21 @@ class Opening:
             self.engine.shutdown()
 
 
+def serving(app: ASGIApp, c: AppConfig, **overrides: object) -> uvicorn.Config:
+    """How uvicorn serves `app` under `c` (the tests' servers too, with their own port)."""
+    settings: dict[str, object] = {
+        "host": c.host,
+        "port": c.port,
+        "log_level": "warning",
+        # uvicorn's own proxy headers off: it would believe any X-Forwarded-For from 127.0.0.1
+        # (FORWARDED_ALLOW_IPS); --trusted-proxy says whom to believe (build_app)
+        "proxy_headers": False,
+        "timeout_keep_alive": c.keep_alive_s,
+        "timeout_graceful_shutdown": STOP_GRACE_S,
+    }
+    return uvicorn.Config(app, **{**settings, **overrides})  # type: ignore[arg-type]
+
+
 class Server(uvicorn.Server):
     """uvicorn's server, whose stop first ends the streams that never end by themselves: every
     open tab holds Gradio's heartbeat stream, and uvicorn waits for each connection to close
@@ -227,19 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     except CrowdchatError as e:
         sys.exit(f"crowdchat: {e}")
     c = opening.app_config
-    # uvicorn's own proxy headers off: it would believe any X-Forwarded-For from 127.0.0.1
-    # (FORWARDED_ALLOW_IPS); --trusted-proxy says whom to believe (build_app)
-    server = Server(
-        uvicorn.Config(
-            starting,
-            host=c.host,
-            port=c.port,
-            log_level="warning",
-            proxy_headers=False,
-            timeout_graceful_shutdown=STOP_GRACE_S,
-        ),
-        starting,
-    )
+    server = Server(serving(starting, c), starting)
     # SIGTERM as Ctrl-C: uvicorn stops on either, then raises it again, and the default SIGTERM
     # ended the process there, before the conversations' KV was written
     signal.signal(signal.SIGTERM, signal.default_int_handler)

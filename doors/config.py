@@ -74,6 +74,12 @@ class AppConfig(Settings):
         "never imported",
         choices=UI_CHOICES,
     )
+    # uvicorn's own 5 s equals httpx's pool expiry: a client reusing a connection at 4.99 s
+    # met the server closing it (a connection read error); longer than the clients and the
+    # proxies in front keep one (httpx 5 s, aiohttp 15 s, nginx and AWS load balancers 60 s)
+    keep_alive_s: int = setting(
+        75, "seconds an idle kept-alive connection stays open (longer than clients' pools)"
+    )
     max_body_bytes: int = setting(1 << 20, "largest accepted request body; beyond: HTTP 413")
     new_identities_per_minute: int = setting(
         20, "new anonymous browser identities per client address per minute; beyond: HTTP 429"
@@ -139,6 +145,7 @@ class AppConfig(Settings):
             f"--end-user-header: {self.end_user_header!r} is not a header name",
         )
         object.__setattr__(self, "end_user_header", self.end_user_header.lower())
+        need(self.keep_alive_s >= 1, "--keep-alive-s must be at least 1")
         need(self.max_body_bytes >= 1024, "--max-body-bytes must be at least 1024")
         for name in ("new_identities_per_minute", "login_failures_per_name",
                      "login_failures_per_address", "imports_per_minute",

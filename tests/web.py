@@ -10,7 +10,7 @@ from pathlib import Path
 
 import uvicorn
 
-from app import AppConfig, build_app
+from app import AppConfig, build_app, serving
 from bench.server import free_port
 from bench.stream_client import client_address
 from engine.model.loader import LoadedModel
@@ -51,21 +51,15 @@ def running_server(
         "new_identities_per_minute": 10_000,
     }
     settings.update(app_overrides)
-    app, monitor = build_app(engine, sm, AppConfig(**settings), data_dir)  # type: ignore[arg-type]
+    config = AppConfig(**settings)  # type: ignore[arg-type]
+    app, monitor = build_app(engine, sm, config, data_dir)
     if apps is not None:
         apps.append(app)
     port = free_port()
     # as app.main serves it: uvicorn believes no X-Forwarded-For (--trusted-proxy does)
     # a client's open stream (gradio_client's SSE) held each stop for thread.join's 10 s
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        proxy_headers=False,
-        timeout_graceful_shutdown=1,
-    )
-    server = uvicorn.Server(config)
+    settings = serving(app, config, host="127.0.0.1", port=port, timeout_graceful_shutdown=1)
+    server = uvicorn.Server(settings)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
