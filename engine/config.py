@@ -89,17 +89,11 @@ class EngineConfig(Settings):
         None, "tokens per sequence, also capped by the pool (off: the model's context)"
     )
     max_queue: int = setting(256, "waiting requests; beyond it: server busy / HTTP 429")
-    max_num_batched_tokens: int = setting(
-        512,
-        "tokens per step (decodes + prefill chunks), at most; while users decode, prefill "
-        "chunks are sized from measured step times so a step costs at most 1.5x their "
-        "decode-only step (at least 32 prompt tokens a step)",
-    )
+    max_num_batched_tokens: int = setting(512, "tokens per step (decodes + prefill chunks)")
     target_itl_ms: float | None = setting(
         None,
         "size prefill chunks from measured step times so running users' inter-token "
-        "latency stays under this (off: 1.5x the running decodes' own step, see "
-        "--max-num-batched-tokens)",
+        "latency stays under this",
     )
     schedule: str = setting(
         "fair",

@@ -1,6 +1,4 @@
-"""The step budget: how many tokens the next step may take, sized from measured step times so
-a step that carries prefill chunks costs at most `AUTO_ITL_RATIO` decode-only steps of the same
-batch (default), or so it stays under an explicit ITL target (`--target-itl-ms`)."""
+"""The step budget: how many tokens the next step may take, fixed or sized for an ITL target."""
 
 from __future__ import annotations
 
@@ -20,13 +18,7 @@ def attention_work(plan: StepPlan) -> float:
 
 
 TARGET_MARGIN = 0.8
-# By default (no --target-itl-ms) a step with prefill chunks may cost this many times what the
-# same batch's decodes alone would (the fit's prediction), and its chunks take at least
-# AUTO_MIN_CHUNK tokens, so prompts progress however slow the decodes' steps are.
-AUTO_ITL_RATIO = 1.5
-AUTO_MIN_CHUNK = 32
 FIT_EVERY = 16  # steps between the fits TokenBudget publishes to other threads
-REFIT_EVERY = 4  # new samples before the step timer fits again (a fit is a least-squares solve)
 
 
 class StepTimer:
@@ -44,16 +36,14 @@ class StepTimer:
         self.floor = floor
         self.samples: deque[tuple[int, float, float]] = deque(maxlen=256)
         self._fit: tuple[float, float, float] | None = None
-        self._new = 0  # samples since the last fit
 
     def record(self, tokens: int, work: float, ms: float) -> None:
         self.samples.append((tokens, work, ms))
-        self._new += 1
+        self._fit = None
 
     def fit(self) -> tuple[float, float, float] | None:
         """(a, b, c) from recent steps, or None while there is too little variety."""
-        if (self._fit is None or self._new >= REFIT_EVERY) and len(self.samples) >= 8:
-            self._new = 0
+        if self._fit is None and len(self.samples) >= 8:
             x = np.array([(1.0, n, w) for n, w, _ in self.samples])
             t = np.array([ms for _, _, ms in self.samples])
             if np.ptp(x[:, 1]) >= 1:
@@ -63,30 +53,20 @@ class StepTimer:
 
     def budget(self, decodes: int = 0, decode_work: float = 0.0, prefill_context: int = 0) -> int:
         """Tokens for the next step (decodes included) that keep it under the target, given
-        the decodes it must run and the context the next prefill chunk starts from. Without a
-        target: a step of prefill chunks costs at most AUTO_ITL_RATIO times the decodes'
-        own step, its chunks at least AUTO_MIN_CHUNK tokens, within the default budget."""
-        fit = self.fit()
-        if fit is None or (self.target_ms is None and not decodes):
-            return self.default_budget  # nobody decodes: no gap to protect
+        the decodes it must run and the context the next prefill chunk starts from."""
+        fit = self.fit() if self.target_ms is not None else None
+        if fit is None:
+            return self.default_budget
         a, b, c = fit
-        decode_ms = a + b * decodes + c * decode_work
-        if self.target_ms is None:
-            n = self._chunk(fit, (AUTO_ITL_RATIO - 1) * max(decode_ms, 0.0), prefill_context)
-            return int(min(decodes + max(n, AUTO_MIN_CHUNK), self.default_budget))
         # a + b (d + n) + c (w_d + n (p + n / 2)) <= aim, solved for the chunk size n; the
         # aim leaves room for step-to-step noise so most steps, not the average, fit
-        n = self._chunk(fit, self.target_ms * TARGET_MARGIN - decode_ms, prefill_context)
-        return int(max(self.floor, min(decodes + n, self.default_budget * 4)))
-
-    @staticmethod
-    def _chunk(fit: tuple[float, float, float], rest: float, prefill_context: int) -> float:
-        """The chunk size n whose b n + c n (p + n / 2) is `rest` ms."""
-        _, b, c = fit
+        rest = self.target_ms * TARGET_MARGIN - a - b * decodes - c * decode_work
         lin = b + c * prefill_context
         if c > 0:
-            return float((-lin + np.sqrt(max(lin * lin + 2 * c * rest, 0.0))) / c)
-        return rest / lin
+            n = (-lin + np.sqrt(max(lin * lin + 2 * c * rest, 0.0))) / c
+        else:
+            n = rest / lin
+        return int(max(self.floor, min(decodes + n, self.default_budget * 4)))
 
 
 def prefill_ms(fit: tuple[float, float, float], tokens: int, chunk: int) -> float:
@@ -102,10 +82,8 @@ def prefill_ms(fit: tuple[float, float, float], tokens: int, chunk: int) -> floa
 
 
 class TokenBudget:
-    """The token budget of each step: what the step timer predicts keeps a step with prefill
-    chunks within AUTO_ITL_RATIO of the running decodes' own step (at most
-    `--max-num-batched-tokens`; all of it while nobody decodes or too few steps were timed), or
-    with `--target-itl-ms` under that target."""
+    """The token budget of each step: `--max-num-batched-tokens`, or with `--target-itl-ms`
+    what the step timer predicts keeps running users' inter-token latency under the target."""
 
     def __init__(self, max_num_batched_tokens: int, target_itl_ms: float | None) -> None:
         self.fixed = max_num_batched_tokens
@@ -118,16 +96,16 @@ class TokenBudget:
 
     def next(self, scheduler: Scheduler) -> int:
         """The budget for the step the scheduler is about to plan."""
-        running = scheduler.running
-        pending = next((s for s in running if s.num_uncomputed > 1), None)
-        if pending is None and scheduler.waiting:
-            pending = scheduler.waiting[0]
-        if pending is None:  # decodes only: the budget sizes nothing
+        if self.timer.target_ms is None:
             self.last = self.fixed
             return self.last
+        running = scheduler.running
         decodes = [s for s in running if s.num_uncomputed == 1]
+        pending = [s for s in running if s.num_uncomputed > 1] or list(scheduler.waiting)
         self.last = self.timer.budget(
-            len(decodes), sum(s.num_computed + 1 for s in decodes), pending.num_computed
+            len(decodes),
+            sum(s.num_computed + 1 for s in decodes),
+            pending[0].num_computed if pending else 0,
         )
         return self.last
 
