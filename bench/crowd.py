@@ -255,7 +255,8 @@ def plot_svg(results: dict[str, list[dict]], path: Path) -> None:
         'font-family="sans-serif" font-size="12"><rect width="100%" height="100%" fill="white"/>',
         f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="#444"/>',
         f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="#444"/>',
-        f'<text x="{w / 2}" y="{h - 12}" text-anchor="middle">arrival rate (requests/s)</text>',
+        f'<text x="{w / 2}" y="{h - 12}" text-anchor="middle">'
+        "arrival rate (new conversations a second)</text>",
         f'<text x="14" y="{h / 2}" transform="rotate(-90 14 {h / 2})" text-anchor="middle">'
         "goodput (requests/s within the SLO)</text>",
     ]
