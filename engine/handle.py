@@ -1,8 +1,12 @@
 """What `Engine.submit` returns: a thread-safe stream of text deltas with a finish reason.
 
-Deltas are handed over in batches: the producer (the engine thread, or the upstream's asyncio
-loop) appends to a list under a lock and wakes the reader only when the list was empty, so a
-reader that is slower than the tokens wakes once for everything that arrived meanwhile. A
+Deltas are handed over in batches, and a reader that is slower than the tokens wakes once for
+everything that arrived meanwhile. Two producers' ways in: text (the upstream's asyncio loop, or
+the engine thread for replies with stop strings) is appended to a list under the handle's lock,
+waking the reader when the list was empty; token ids whose text the reader decodes (the engine
+thread's, `_detok` set) are appended to `token_ids` with no lock at all (`list.append` is atomic
+under the GIL), and the producer wakes the reader only where `reader_waiting` says it waits
+(`wake_reader`, once a step): no lock a token on the engine thread. A
 thread reads with `for delta in handle`; an asyncio reader awaits `next_batch()`, with no
 thread of its own: the handles read on one loop share one `call_soon_threadsafe` for all
 that became ready while the loop was busy (an engine step's tokens for 32 streams: one).
@@ -91,7 +95,8 @@ class RequestHandle:
     def __init__(self, seq_id: int, num_prompt_tokens: int, cancel: Callable[[int], None]) -> None:
         self.seq_id = seq_id
         self.num_prompt_tokens = num_prompt_tokens
-        self.token_ids: list[int] = []  # generated so far (written by the producer)
+        # generated so far; the producer appends (with no lock where the reader decodes them)
+        self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
@@ -99,15 +104,19 @@ class RequestHandle:
         self.num_hit_tokens = 0  # of them, found by the prefix cache (not the owner's own KV)
         self.admitted = False  # reached the running batch (else its prompt was never computed)
         self._cancel = cancel
-        # guards the four fields below; the producer takes `_lock` itself, a C call where the
-        # Condition's `with` is a Python one (a row a step on the engine thread)
+        # guards the fields below (not `token_ids`, which the producer appends to freely)
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._pending: list[str] = []  # deltas the reader has not taken yet
-        # tokens whose text the reader decodes (`_push_token`), with `detok`: off the engine
-        # thread, whose every microsecond a step is a GPU step waiting
-        self._ids: list[int] = []
+        # decodes `token_ids` on the reader's thread (None: the producer sends text): off the
+        # engine thread, whose every microsecond a step is a GPU step waiting
         self._detok: TextDecoder | None = None
+        self._read = 0  # `token_ids` decoded so far
+        self._shown = -1  # with a stop token at the end: the ids before it (-1: all ids)
+        # set (under the lock) by a reader about to wait, after it found nothing: a producer
+        # that appended reads it after its append, so either it wakes the reader or the reader,
+        # looking again after setting it, finds the token (each step is atomic under the GIL)
+        self.reader_waiting = False
         self._end: _Finished | None = None
         self._waker: _LoopWaker | None = None  # an asyncio reader's loop's
         self._woken: asyncio.Event | None = None  # set (on that loop) when a batch is ready
@@ -123,26 +132,36 @@ class RequestHandle:
                 return  # the reader was told when the batch began
             self._wake()
 
-    def _push_token(self, token: int) -> None:
-        """A generated token whose text the reader decodes (`detok` set): the producer hands
-        over ids only."""
+    def wake_reader(self) -> None:
+        """After appending to `token_ids` and finding `reader_waiting` set: wake the reader
+        (once a step for all the step's tokens, not once a token)."""
         with self._lock:
-            self._ids.append(token)
-            if len(self._ids) > 1 or self._pending:
-                return  # the reader was told when the batch began
-            self._wake()
+            if self.reader_waiting:
+                self._wake()
+
+    def put_tokens(self, tokens: list[int]) -> None:
+        """Hand over generated ids whose text the reader decodes (`token_ids` and the wake-up
+        in one call; the engine thread inlines the two over a step's rows)."""
+        self.token_ids += tokens
+        if self.reader_waiting:
+            self.wake_reader()
 
     def _finish(
         self,
         reason: FinishReason,
         error: str | None = None,
         kind: type[CrowdchatError] = RequestFailed,
+        last_token: int | None = None,
     ) -> None:
         """End the stream; an ERROR finish raises `kind(error)` to the reader (an upstream's
-        400 is an InvalidRequest, an unreachable one EngineStopped, like the engine's own)."""
+        400 is an InvalidRequest, an unreachable one EngineStopped, like the engine's own).
+        `last_token`, the stop token that ended it, joins `token_ids` with no text."""
         with self._ready:
             if self._done.is_set():
                 return
+            if last_token is not None:
+                self._shown = len(self.token_ids)
+                self.token_ids.append(last_token)
             self.finish_reason, self.error = reason, error
             self._end = _Finished(reason, error, kind)
             self._done.set()
@@ -150,6 +169,7 @@ class RequestHandle:
 
     def _wake(self) -> None:
         """Under the lock: tell the reader (a waiting thread, or an asyncio loop)."""
+        self.reader_waiting = False
         self._ready.notify()
         if self._waker is not None and self._woken is not None:
             self._waker.wake(self._woken)
@@ -173,8 +193,10 @@ class RequestHandle:
         (nothing pending) raises the error finish or returns ''."""
         detok = self._detok
         if detok is not None:  # the tokens' text, decoded here on the reader's thread
-            text = "".join([detok.push(t) for t in self._ids])
-            self._ids.clear()
+            ids = self.token_ids
+            end = len(ids) if self._shown < 0 else self._shown
+            text = "".join([detok.push(t) for t in ids[self._read : end]])
+            self._read = end
             if self._end is not None and self._end.reason is not FinishReason.ERROR:
                 text += detok.flush()
                 self._detok = None  # flushed once
@@ -198,8 +220,12 @@ class RequestHandle:
             with self._ready:
                 text = self._take()
                 while text is None:
-                    self._ready.wait()
+                    self.reader_waiting = True  # then look once more (see `reader_waiting`)
                     text = self._take()
+                    if text is None:
+                        self._ready.wait()
+                        text = self._take()
+                self.reader_waiting = False
             if not text:
                 return
             yield text
@@ -217,6 +243,10 @@ class RequestHandle:
                 text = self._take()
                 if text is None:
                     self._woken.clear()  # the next delta sets it (from the producer's thread)
+                    self.reader_waiting = True  # then look once more (see `reader_waiting`)
+                    text = self._take()
+                    if text is not None:
+                        self.reader_waiting = False
             if text is not None:
                 return text
             await self._woken.wait()

@@ -1,15 +1,27 @@
 """The engine thread's per-step shortcuts (issue 58) agree with the per-row work they replace:
-bulk fair-share charges, bulk latency buckets, and what the scheduler keeps between steps."""
+bulk fair-share charges, bulk latency buckets, what the scheduler keeps between steps, and the
+replies the output path hands to live readers."""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
+from types import SimpleNamespace
 
+import pytest
+import torch
+
+from bench.throughput import TEXT
+from engine import Engine, EngineConfig
 from engine.core.block_pool import BlockPool
+from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.fair_share import VirtualTokenCounter
 from engine.core.scheduler import Scheduler
 from engine.metrics import ITL_BUCKETS, Histogram
-from engine.sequence import SamplingParams, Sequence
+from engine.model.loader import LoadedModel
+from engine.model.plan import StepPlan
+from engine.sequence import FinishReason, SamplingParams, Sequence
 from engine.served import user_of
 
 
@@ -105,3 +117,108 @@ def test_what_the_scheduler_keeps_between_steps_matches_a_recount_in_a_random_cr
                 live.remove(s)
         sched.check_integrity()
     assert swaps > 10 and sched.num_resident_dropped > 0  # the crowd reached the hard cases
+
+
+class ScriptedRunner:
+    """An instant model stand-in: each sampled row's next token is the next one of its
+    request's script (by prompt), so replies are known in advance."""
+
+    def __init__(self, scripts: dict[tuple[int, ...], list[int]], stop_ids: list[int]) -> None:
+        self.scripts = scripts
+        self.stop_ids = stop_ids
+
+    def run(self, plan: StepPlan) -> dict[Sequence, int]:
+        sampled = plan.decodes + [s for s, n in plan.prefills if s.num_computed + n == s.num_tokens]
+        return {
+            s: self.scripts[tuple(s.token_ids[: s.num_prompt_tokens])][s.num_generated]
+            for s in sampled
+        }
+
+
+@pytest.mark.parametrize("seed", [1, 58])
+def test_replies_through_the_engine_with_live_readers_are_what_the_tokens_say(
+    local: tuple, seed: int
+) -> None:
+    """The real engine loop, scheduler and output path over a scripted stand-in, a crowd of
+    replies read live by threads and an asyncio loop while they are generated: each reader
+    gets its reply's text once, in order (the text a per-token decoder gives for the tokens
+    before the end, the stop token never shown), with the finish reason and token ids the
+    script says (a stop token ends and is counted; max_new_tokens; a stop string)."""
+    tokenizer, _, _, vocab = local
+    eos = tokenizer.eos_token_id
+    rng = random.Random(seed)
+    words = tokenizer.encode(TEXT, add_special_tokens=False)
+    n = 40
+    prompts, scripts, params = [], {}, []
+    for i in range(n):
+        prompt = [*words[i : i + 6], i + 1000]  # distinct prompts
+        script = [rng.choice(words) for _ in range(80)]
+        if rng.random() < 0.4:
+            script[rng.randint(0, 30)] = eos
+        stop = ("the",) if rng.random() < 0.25 else ()
+        prompts.append(prompt)
+        scripts[tuple(prompt)] = script
+        params.append(SamplingParams(max_new_tokens=rng.randint(1, 50), stop=stop))
+    loaded = LoadedModel(
+        model=SimpleNamespace(config=SimpleNamespace(vocab_size=vocab)),  # type: ignore[arg-type]
+        tokenizer=tokenizer,
+        model_id="instant",
+        weights_hash="0",
+        quant="none",
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        kv_dtype=torch.float32,
+        model_bytes=0,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=1,
+        max_position=4096,
+    )
+    config = EngineConfig(block_size=8, kv_budget_mb=60 * 64 / 2**20, max_num_seqs=16, max_queue=n)
+    engine = Engine(config, loaded, runner=lambda *a, **k: ScriptedRunner(scripts, [eos]))
+    texts: dict[int, str] = {}
+    try:
+        handles = [engine.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+
+        def read(i: int) -> None:
+            texts[i] = "".join(handles[i])
+
+        async def read_async(ids: list[int]) -> None:
+            async def one(i: int) -> None:
+                parts = []
+                while part := await handles[i].next_batch():
+                    parts.append(part)
+                texts[i] = "".join(parts)
+
+            await asyncio.gather(*(one(i) for i in ids))
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(n) if i % 2]
+        threads.append(
+            threading.Thread(target=lambda: asyncio.run(read_async(list(range(0, n, 2)))))
+        )
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+            assert not t.is_alive()
+        finished = engine.metrics.finished
+    finally:
+        engine.shutdown()
+    assert finished == n
+    for i, h in enumerate(handles):
+        script, sp = scripts[tuple(prompts[i])], params[i]
+        detok = IncrementalDetokenizer(tokenizer, prompts[i], sp.stop)
+        want_ids, want_text, reason = [], "", FinishReason.LENGTH
+        for token in script[: sp.max_new_tokens]:
+            want_ids.append(token)
+            if token == eos:
+                reason = FinishReason.STOP
+                break
+            want_text += detok.push(token)
+            if detok.stopped:
+                reason = FinishReason.STOP
+                break
+        want_text += detok.flush()
+        assert h.token_ids == want_ids, i
+        assert h.finish_reason is reason, i
+        assert texts[i] == h.text == want_text, i

@@ -95,7 +95,8 @@ class OutputProcessor:
         itl: list[float] = []
         ttft: list[float] = []
         requests = self.requests
-        ended: list[tuple[Request, FinishReason]] = []
+        ended: list[tuple[Request, FinishReason, int | None]] = []
+        woken: list[RequestHandle] = []  # handles whose reader waits: woken once, after the pass
         for seq, token in next_tokens.items():
             last = seq.last_token_at
             if last is None:
@@ -107,32 +108,32 @@ class OutputProcessor:
             req = requests[seq.seq_id]
             ids = seq.token_ids
             ids.append(token)
-            handle = req.handle
-            handle.token_ids.append(token)
-            if token in req.stops:
-                ended.append((req, FinishReason.STOP))
+            if token in req.stops:  # joins the handle's ids at the end, with no text
+                ended.append((req, FinishReason.STOP, token))
                 continue
+            handle = req.handle
+            handle.token_ids.append(token)  # no lock: `RequestHandle`'s hand-off
             detok = req.detok
-            if detok is None:
-                with handle._lock:  # handle._push_token(token), inlined
-                    handle._ids.append(token)
-                    if len(handle._ids) == 1 and not handle._pending:
-                        handle._wake()  # else the reader was told when the batch began
+            if detok is None:  # the reader decodes; it is woken only if it waits
+                if handle.reader_waiting:
+                    woken.append(handle)
             else:
                 handle._push(detok.push(token))
                 if detok.stopped:
-                    ended.append((req, FinishReason.STOP))
+                    ended.append((req, FinishReason.STOP, None))
                     continue
             if len(ids) >= req.end:  # max_new_tokens generated, or the model's length
-                ended.append((req, FinishReason.LENGTH))
+                ended.append((req, FinishReason.LENGTH, None))
+        for handle in woken:
+            handle.wake_reader()
         m = self.metrics
         with m.lock:  # latencies: one acquisition a step, not one a row
             m.ttft.extend(ttft)
             m.ttft_hist.observe_all(ttft)
             m.itl.extend(itl)
             m.itl_hist.observe_all(itl)
-        for req, reason in ended:
-            self.finish(req, reason)
+        for req, reason, stop_token in ended:
+            self.finish(req, reason, last_token=stop_token)
 
     def fail(self, seqs: list[Sequence], error: str) -> None:
         for seq in seqs:
@@ -144,8 +145,15 @@ class OutputProcessor:
         for req in list(self.requests.values()):
             self.finish(req, FinishReason.ERROR, error)
 
-    def finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
-        """End the request: free or retain its blocks, flush its text, wake its caller."""
+    def finish(
+        self,
+        req: Request,
+        reason: FinishReason,
+        error: str | None = None,
+        last_token: int | None = None,
+    ) -> None:
+        """End the request: free or retain its blocks, flush its text, wake its caller.
+        `last_token`: the stop token that ended it (counted, never shown)."""
         seq = req.seq
         if seq.status is not SequenceStatus.FINISHED:
             if not req.admitted:
@@ -160,4 +168,4 @@ class OutputProcessor:
                 self.metrics.failed += 1
             else:
                 self.metrics.finished += 1
-        req.handle._finish(reason, error)
+        req.handle._finish(reason, error, last_token=last_token)
