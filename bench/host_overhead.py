@@ -23,6 +23,7 @@ import pstats
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -59,6 +60,7 @@ class InstantRunner:
         self.want = 0
         self.profiler: cProfile.Profile | None = None
         self.done = False
+        self.finished = threading.Event()  # set with `done`: the bench then cancels the replies
 
     def run(self, plan: StepPlan) -> dict[Sequence, int]:
         timed = len(plan.decodes) == self.rows and not plan.prefills and not self.done
@@ -75,6 +77,7 @@ class InstantRunner:
                 self.done = True
                 if self.profiler is not None:
                     self.profiler.disable()
+                self.finished.set()
         return dict(zip(sampled, picks.tolist(), strict=True))
 
 
@@ -89,7 +92,9 @@ def measure(tokenizer, vocab: int, rows: int, steps: int, profile: bool) -> dict
         made.append(InstantRunner(reply, [eos]))
         return made[0]
 
-    new = steps + 64
+    # replies long enough for `steps` steps of every row decoding even when the rows were
+    # admitted over many steps (the engine steps while the bench submits); cancelled once timed
+    new = 4 * steps + 256
     per_seq_blocks = -(-(PROMPT_TOKENS + new + 16) // 16)
     per_block = 2 * 4 * 16  # K and V, 1 layer, 1 head of width 1, float32
     config = EngineConfig(
@@ -121,6 +126,9 @@ def measure(tokenizer, vocab: int, rows: int, steps: int, profile: bool) -> dict
     sp = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     try:
         handles = [engine.submit(prompt[i % 50 : i % 50 + PROMPT_TOKENS], sp) for i in range(rows)]
+        runner.finished.wait(600)
+        for h in handles:
+            h.cancel()
         for h in handles:
             h.result()
     finally:
