@@ -5,10 +5,12 @@ back with one `tolist()`), detokenizer (the embedded model's real tokenizer) and
 around an instant model stand-in, `rows` requests decoding at once. A step's host time is the
 engine thread's time from one call's picks to the next call (wall and thread CPU), median
 over `--steps` steps once every row decodes. The replies have no stop strings, so their text is
-decoded by their readers (`RequestHandle`), here after the end, off the engine thread, as on a
-server (the relay threads). Prints one JSON object a row count and, last, a
-summary JSON object with `host_ms_per_step_N` for each N. `--profile` adds the engine thread's
-top functions by cumulative time (cProfile) at the largest row count.
+decoded by their readers (`RequestHandle`), off the engine thread, as on a server (the relay
+threads): after the timed steps, or with `--live-readers` by a thread a reply while it is
+generated (every step then wakes the readers that wait, and they share the GIL with the engine
+thread). Prints one JSON object a row count and, last, a summary JSON object with
+`host_ms_per_step_N` for each N. `--profile` adds the engine thread's top functions by own time
+(cProfile) at the largest row count.
 """
 
 from __future__ import annotations
@@ -81,8 +83,17 @@ class InstantRunner:
         return dict(zip(sampled, picks.tolist(), strict=True))
 
 
-def measure(tokenizer, vocab: int, rows: int, steps: int, profile: bool) -> dict:  # noqa: ANN001
-    """One engine over the stand-in, `rows` requests decoding: the median host ms a step."""
+def measure(  # noqa: PLR0913
+    tokenizer,  # noqa: ANN001
+    vocab: int,
+    rows: int,
+    steps: int,
+    profile: bool,
+    live: bool = False,
+) -> dict:
+    """One engine over the stand-in, `rows` requests decoding: the median host ms a step.
+    `live`: a thread a reply reads it while it is generated (a server's relays), so every
+    step wakes the readers that wait; else each reply is read after the timed steps."""
     reply = tokenizer.encode(TEXT, add_special_tokens=False)
     prompt = tokenizer.encode(TEXT * 2, add_special_tokens=False)
     made: list[InstantRunner] = []
@@ -126,9 +137,14 @@ def measure(tokenizer, vocab: int, rows: int, steps: int, profile: bool) -> dict
     sp = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
     try:
         handles = [engine.submit(prompt[i % 50 : i % 50 + PROMPT_TOKENS], sp) for i in range(rows)]
+        readers = [threading.Thread(target=h.result) for h in (handles if live else [])]
+        for t in readers:
+            t.start()
         runner.finished.wait(600)
         for h in handles:
             h.cancel()
+        for t in readers:
+            t.join()
         for h in handles:
             h.result()
     finally:
@@ -164,6 +180,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="timed steps per row count")
     ap.add_argument("--data-dir", default=None, help="where the embedded model is converted")
     ap.add_argument("--profile", action="store_true", help="cProfile the largest row count")
+    ap.add_argument(
+        "--live-readers",
+        action="store_true",
+        help="a reader thread a reply, reading while it is generated (default: read after)",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(args.data_dir or tmp)
@@ -174,9 +195,11 @@ def main() -> None:
             **provenance(),
             "python": platform.python_version(),
             "tokenizer": type(tokenizer).__name__,
+            "live_readers": args.live_readers,
         }
         for rows in counts:
-            row = measure(tokenizer, vocab, rows, args.steps, args.profile and rows == counts[-1])
+            profile = args.profile and rows == counts[-1]
+            row = measure(tokenizer, vocab, rows, args.steps, profile, args.live_readers)
             print(json.dumps(row), flush=True)
             summary[f"host_ms_per_step_{rows}"] = row["host_ms_per_step"]
             summary[f"cpu_ms_per_step_{rows}"] = row["engine_thread_cpu_ms_per_step"]
