@@ -139,13 +139,6 @@ class RequestHandle:
             if self.reader_waiting:
                 self._wake()
 
-    def put_tokens(self, tokens: list[int]) -> None:
-        """Hand over generated ids whose text the reader decodes (`token_ids` and the wake-up
-        in one call; the engine thread inlines the two over a step's rows)."""
-        self.token_ids += tokens
-        if self.reader_waiting:
-            self.wake_reader()
-
     def _finish(
         self,
         reason: FinishReason,
