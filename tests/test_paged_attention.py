@@ -208,36 +208,3 @@ def test_fp32_a_steps_short_chunks_share_one_kernel_call_bitwise_each_alone(
             assert torch.equal(together.argmax(-1), other.argmax(-1)), trial
             assert ((together - other).abs() / other.std(dim=-1, keepdim=True)).max() < 1e-4
     engine.check_integrity()
-
-
-def test_a_crowd_turn_beside_decodes_takes_the_kernel_and_one_prompt_stack_call(
-    nf4_engine: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A returning user's message of 150 tokens after 300 cached ones, in a step with 6
-    decodes (bench/crowd.py's turns are 30-180 tokens): its chunk attends on the CPU kernel,
-    on the AVX2 and AVX512-VNNI kernels as one `prompt_stack` call for the whole step (op by op
-    it took ~400 parallel regions, several times a decode row's cost per prompt token:
-    bench/step_profile.py --mixed), its logits bitwise the op-by-op loop's."""
-    engine = nf4_engine
-    runner, pool, rng = engine.runner, engine.pool, random.Random(5)
-    assert runner.prefills_kernel is not None
-    seqs = []
-    for cached, new in [(20 + 7 * i, 1) for i in range(6)] + [(300, 150)]:
-        s = Sequence([rng.randrange(100, 20000) for _ in range(cached + new)], GREEDY)
-        s.block_table = pool.allocate(pool.blocks_for(cached + new))
-        runner.forward(StepPlan(prefills=[(s, cached)]))
-        s.num_computed = cached
-        seqs.append(s)
-    plan = StepPlan(decodes=seqs[:6], prefills=[(seqs[6], 150)])
-    try:
-        meta, *_ = runner._metadata(plan)
-        assert [c.grouped for c in meta.prefills] == [True]  # the kernel, not SDPA's gather
-        assert runner._stacks_prompt(plan) == runner.lean.prompt_stacks
-        stacked = runner.forward(plan)
-        monkeypatch.setattr(runner.lean, "prompt_stacks", False)
-        assert not runner._stacks_prompt(plan)
-        assert torch.equal(stacked, runner.forward(plan))  # rewrites the same K/V slots
-    finally:
-        for s in seqs:
-            pool.free(s.block_table)
-    engine.check_integrity()

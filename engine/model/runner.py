@@ -48,12 +48,8 @@ MIN_SPLIT_WASTE = 256
 # such chunks in one call a layer, `paged_prefills_attention`; on CUDA a chunk after cached
 # tokens); a longer one takes SDPA, over its context gathered after cached tokens. Zen 5 EPYC,
 # 2 cores, bf16 pool, one layer: 15 tokens after 2,000 0.47-0.52 ms against SDPA's 0.91-2.4;
-# 64 after 2,000 1.9-2.2 against 2.6-2.8; 128 after 500 1.9-2.2 against 1.5-1.6. Up to 256, not
-# 64: a chunk on the kernel can join its step's `prompt_stack` call (one parallel region), and a
-# crowd's returning users send 30-180 tokens beside running decodes; a 128-token chunk with 8
-# decodes op by op (~400 parallel regions) cost 5-50 ms a prompt token against 3-10 ms a decode
-# row on the loaded 2-core AVX2 EPYC (bench/step_profile.py --mixed; docs/PERFORMANCE.md).
-PREFILL_KERNEL_TOKENS = 256
+# 64 after 2,000 1.9-2.2 against 2.6-2.8; 128 after 500 1.9-2.2 against 1.5-1.6.
+PREFILL_KERNEL_TOKENS = 64
 # A CPU step of up to this many rows (decodes plus prefill tokens) runs on the engine thread
 # alone. With passive OpenMP waits (engine/threads.py) a parallel region wakes a sleeping thread,
 # and where an idle core halts (a VM's vCPU) a wake-up costs tens of microseconds each way; a
