@@ -156,9 +156,11 @@ def open_conversation(page: Page, title: str, shows: str) -> None:
 
 
 def plain(text: str) -> str:
-    """A piece of a reply that reads the same rendered as Markdown: its first plain words."""
-    found = re.search(r"[A-Za-z][A-Za-z ,']{5,}", text)
-    return (found.group() if found else text.strip())[:20].strip()
+    """A piece of a reply that reads the same rendered as Markdown: its first plain words
+    (letters of any script; never across a line, which Markdown may render as no space)."""
+    found = re.search(r"[^\W\d_](?:[^\W_]|[ ,']){5,}", text)
+    first_line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return (found.group() if found else first_line)[:20].strip()
 
 
 def replies_in_tree(sm: object, sid: str, n: int, timeout: float = 300) -> list[str]:
