@@ -28,7 +28,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -115,21 +114,7 @@ def measure(  # noqa: PLR0913
         max_num_batched_tokens=max(2048, rows * PROMPT_TOKENS),
         max_queue=rows + 1,
     )
-    loaded = LoadedModel(
-        model=SimpleNamespace(config=SimpleNamespace(vocab_size=vocab)),  # type: ignore[arg-type]
-        tokenizer=tokenizer,
-        model_id="instant",
-        weights_hash="0",
-        quant="none",
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        kv_dtype=torch.float32,
-        model_bytes=0,
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=1,
-        max_position=4096,
-    )
+    loaded = LoadedModel.stand_in(tokenizer, vocab, 4096, "instant")
     engine = Engine(config, loaded, runner=factory)
     runner = made[0]
     runner.rows, runner.want = rows, steps

@@ -10,7 +10,6 @@ foreign KV is caught the moment it runs.
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -36,21 +35,7 @@ class FakeTokenizer:
 
 def fake_loaded(max_position: int = 512) -> LoadedModel:
     """A LoadedModel with no weights: 1 layer, 1 KV head of width 1, float32 on the CPU."""
-    return LoadedModel(
-        model=SimpleNamespace(config=SimpleNamespace(vocab_size=VOCAB)),  # type: ignore[arg-type]
-        tokenizer=FakeTokenizer(),  # type: ignore[arg-type]
-        model_id="fake",
-        weights_hash="0",
-        quant="none",
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        kv_dtype=torch.float32,
-        model_bytes=0,
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=1,
-        max_position=max_position,
-    )
+    return LoadedModel.stand_in(FakeTokenizer(), VOCAB, max_position, "fake")  # type: ignore[arg-type]
 
 
 def next_token(ids: list[int]) -> int:

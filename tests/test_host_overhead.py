@@ -7,10 +7,8 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from types import SimpleNamespace
 
 import pytest
-import torch
 
 from bench.throughput import TEXT
 from engine import Engine, EngineConfig
@@ -159,21 +157,7 @@ def test_replies_through_the_engine_with_live_readers_are_what_the_tokens_say(
         prompts.append(prompt)
         scripts[tuple(prompt)] = script
         params.append(SamplingParams(max_new_tokens=rng.randint(1, 50), stop=stop))
-    loaded = LoadedModel(
-        model=SimpleNamespace(config=SimpleNamespace(vocab_size=vocab)),  # type: ignore[arg-type]
-        tokenizer=tokenizer,
-        model_id="instant",
-        weights_hash="0",
-        quant="none",
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        kv_dtype=torch.float32,
-        model_bytes=0,
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=1,
-        max_position=4096,
-    )
+    loaded = LoadedModel.stand_in(tokenizer, vocab, 4096, "instant")
     config = EngineConfig(block_size=8, kv_budget_mb=60 * 64 / 2**20, max_num_seqs=16, max_queue=n)
     engine = Engine(config, loaded, runner=lambda *a, **k: ScriptedRunner(scripts, [eos]))
     texts: dict[int, str] = {}

@@ -7,6 +7,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub, whatever the caller forgot
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -76,6 +77,32 @@ class LoadedModel:
     # CUDA, bf16/fp16, the flat forward: RoPE with the K/V write and the residual adds with
     # their norms in Triton (engine.kernels.triton_layer; the KV fingerprint names it)
     triton_layers: bool = False
+
+    @classmethod
+    def stand_in(
+        cls,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        max_position: int,
+        model_id: str,
+    ) -> LoadedModel:
+        """A model with no weights for an engine whose runner is a stand-in (the fakes of the
+        tests, bench/host_overhead.py): 1 layer, 1 KV head of width 1, float32 on the CPU."""
+        return cls(
+            model=SimpleNamespace(config=SimpleNamespace(vocab_size=vocab_size)),  # type: ignore[arg-type]
+            tokenizer=tokenizer,
+            model_id=model_id,
+            weights_hash="0",
+            quant="none",
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            kv_dtype=torch.float32,
+            model_bytes=0,
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=1,
+            max_position=max_position,
+        )
 
     def fingerprint(self, block_size: int) -> dict[str, str | int]:
         """What a KV snapshot must match to be reused by this model: everything that
