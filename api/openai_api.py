@@ -60,7 +60,7 @@ def build_router(
     """The /v1 routes over a running engine and session manager. `end_user_header`: the
     header (lower case) that names a request's end user besides the `user` field ('' none)."""
     router = APIRouter()
-    router.include_router(build_sessions_router(sessions, share_links))
+    router.include_router(build_sessions_router(sessions, share_links, end_user_header))
     started = int(time.time())
 
     def start(owner: str, sid: str | None, req: ChatRequest, end_user: str | None) -> Reply:

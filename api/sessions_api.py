@@ -13,7 +13,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from api.chat_request import parse_json_object, typed_field
+from api.chat_request import parse_end_user, parse_json_object, typed_field
 from api.errors import ApiError, error_response
 from doors.identity import bearer, identity_of, token_owner
 from engine import InvalidRequest
@@ -75,9 +75,11 @@ def markdown_attachment(name: str, text: str) -> Response:
     return _attachment(text, name, "text/markdown; charset=utf-8")
 
 
-def build_sessions_router(sessions: SessionManager, share_links: bool = True) -> APIRouter:
+def build_sessions_router(
+    sessions: SessionManager, share_links: bool = True, end_user_header: str = ""
+) -> APIRouter:
     """The /v1/sessions routes over a session manager (`share_links`: --share-links is not
-    off)."""
+    off; `end_user_header`: --end-user-header)."""
     router = APIRouter()
 
     async def answer(request: Request, work: Callable[[str], Any]) -> Response:
@@ -126,8 +128,17 @@ def build_sessions_router(sessions: SessionManager, share_links: bool = True) ->
 
     @router.get("/v1/usage")
     async def usage(request: Request) -> Response:
-        """Where the caller stands against the per-user limits (0: that limit is off)."""
-        return await answer(request, lambda owner: {"object": "usage", **sessions.usage(owner)})
+        """Where the caller stands against the per-user limits (0: that limit is off), or
+        the end user it names (`?user=NAME`, or the header the operator named), as the limits
+        count that end user's requests."""
+        try:
+            query = {"user": request.query_params["user"]} if "user" in request.query_params else {}
+            end_user = parse_end_user(query, request.headers, end_user_header)
+        except Exception as e:  # noqa: BLE001
+            return error_response(e)
+        return await answer(
+            request, lambda owner: {"object": "usage", **sessions.usage(owner, end_user)}
+        )
 
     @router.get("/v1/sessions/export")
     async def export_all(request: Request) -> Response:

@@ -8,9 +8,10 @@ every request from this one client, each conversation naming its person in OpenA
 field (`--no-end-users`: none), as an app's backend would. Per arrival rate: TTFT, TPOT and
 reply latency p50/p95/p99, errors (`refused`: HTTP 429s), and goodput (requests a second
 within the SLO). A server's capacity is the highest rate at which `--attainment` of its
-requests meet the SLO. `--ceiling` adds crowdchat's memory ceiling: the same crowd in sessions
-mode with a KV pool a tenth of the crowd's KV, against the same crowd with an unconstrained
-pool (returning users' TTFT, restores, disk bytes, RSS over time). Prints one JSON object per
+requests meet the SLO. `--ceiling` adds crowdchat's memory ceiling: a thousand conversations
+open at once in sessions mode (minutes between their rounds) with a KV pool a tenth of the
+crowd's KV, against the same crowd with a pool that keeps every one resident (returning users'
+TTFT, restores, disk bytes, RSS over time). Prints one JSON object per
 point, then a summary line; `--plot FILE.svg` draws goodput against arrival rate."""
 
 from __future__ import annotations
@@ -109,32 +110,48 @@ def _better(a: list[dict], b: list[dict], args: argparse.Namespace) -> bool:
 
 
 def ceiling(args: argparse.Namespace) -> dict:
-    """crowdchat's memory ceiling: a population of `--ceiling-conversations` arriving over the
-    run in sessions mode with a pool sized to a tenth of the crowd's KV (as the unconstrained
-    run measured it), against the unconstrained pool. RSS sampled every 30 s."""
+    """crowdchat's memory ceiling: `--ceiling-conversations` conversations arriving over
+    `--ceiling-seconds`, each pausing `--ceiling-think` seconds on average between its rounds
+    (so most of them are open at once), in sessions mode. First with a pool that holds them all
+    and no idle offload (every returning user finds their KV resident: the crowd's whole KV is
+    the pool's peak), then with a pool a tenth of that and `--ceiling-idle`: idle conversations
+    go to host RAM and disk and come back. RSS sampled every 30 s."""
     load = Load(
         rate=args.ceiling_conversations / args.ceiling_seconds,
         seconds=args.ceiling_seconds,
         rounds=args.rounds,
-        think_mean_s=args.think_mean,
+        think_mean_s=args.ceiling_think,
         reply_tokens=args.reply_tokens,
         mode="sessions",
         seed=7,
     )
-    common = ["--max-num-seqs", "64", "--idle-seconds", str(args.ceiling_idle), "--max-queue"]
-    common += ["4096", *args.crowdchat_args.split()]
+    # one client holds the whole crowd's conversations: its per-user caps on kept and pending
+    # conversations would refuse it (a team's app backend raises them the same way); snapshots
+    # of every conversation fit on disk (none deleted for the disk budget: no recompute)
+    common = ["--max-num-seqs", "64", "--max-queue", "4096", "--max-sessions-per-user", "0"]
+    common += ["--max-pending-creates-per-user", "0", "--max-pending-creates", "0"]
+    common += ["--kv-disk-budget-mb", str(args.ceiling_disk_mb), *args.crowdchat_args.split()]
     runs = {}
     pool_mb = None
     for label in ("unconstrained", "constrained"):
-        budget = args.ceiling_big_mb if label == "unconstrained" else pool_mb
-        server = Server(None, [*common, "--kv-budget-mb", str(budget)])
+        if label == "unconstrained":
+            budget, idle = args.ceiling_big_mb, 10**6  # nothing leaves the pool in the run
+        else:
+            budget, idle = pool_mb, args.ceiling_idle
+        server = Server(None, [*common, "--kv-budget-mb", str(budget), "--idle-seconds", str(idle)])
         try:
             runs[label] = _watched(server, load, args, budget)
         finally:
             server.stop()
+        runs[label]["idle_seconds"] = idle
         if label == "unconstrained":  # a tenth of the crowd's KV, by the blocks it used
-            per_block_mb = budget / max(runs[label].pop("blocks_total"), 1)
-            pool_mb = max(8, round(runs[label]["kv_blocks_peak"] * per_block_mb / 10))
+            big = runs[label]
+            per_block_mb = budget / max(big.pop("blocks_total"), 1)
+            big["held_all"] = big["evictions"] == 0 and big["persists"] == 0
+            big["crowd_kv_mb"] = round(big["kv_blocks_peak"] * per_block_mb, 1)
+            pool_mb = max(8, round(big["crowd_kv_mb"] / 10))
+        else:
+            runs[label].pop("blocks_total")
         print(json.dumps({"ceiling": label, "kv_budget_mb": budget, **runs[label]}), flush=True)
     big, small = runs["unconstrained"], runs["constrained"]
     ratio = None
@@ -306,9 +323,11 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "crowdchat" / "peers")
     ap.add_argument("--ceiling", action="store_true", help="crowdchat's memory ceiling runs too")
     ap.add_argument("--ceiling-conversations", type=int, default=1000)
-    ap.add_argument("--ceiling-seconds", type=float, default=1200)
-    ap.add_argument("--ceiling-idle", type=float, default=3)
-    ap.add_argument("--ceiling-big-mb", type=float, default=4096)
+    ap.add_argument("--ceiling-seconds", type=float, default=600, help="how long they arrive")
+    ap.add_argument("--ceiling-think", type=float, default=300, help="seconds between rounds")
+    ap.add_argument("--ceiling-idle", type=float, default=3, help="--idle-seconds, small pool")
+    ap.add_argument("--ceiling-big-mb", type=float, default=8192, help="a pool holding them all")
+    ap.add_argument("--ceiling-disk-mb", type=float, default=32768, help="--kv-disk-budget-mb")
     ap.add_argument("--plot", type=Path, help="an SVG of goodput against arrival rate")
     args = ap.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]

@@ -108,14 +108,21 @@ class Admission:
             self.client_limiter.settle(ticket.client_reservation, charged)
         self.caps.release(ticket.slot)
 
-    def usage(self, owner: str, conversations: int) -> dict[str, int | float]:
-        """Where `owner` stands against each limit: tokens this minute (charged and reserved)
-        and when the oldest charge frees, requests and turns in flight, conversations kept.
-        A limit of 0 is off."""
-        used, reserved, frees = self.limiter.standing(owner)
-        requests, turns = self.caps.in_flight(owner)
+    def usage(
+        self, owner: str, conversations: int, end_user: str | None = None
+    ) -> dict[str, int | float | str | None]:
+        """Where `owner` stands against each limit, or the end user it names (`end_user`):
+        tokens this minute (charged and reserved) and when the oldest charge frees, turns in
+        flight (the user's), requests in flight and conversations kept (the client's), and the
+        client's standing against --tokens-per-minute-per-client. A limit of 0 is off."""
+        who = limit_key(owner, end_user)
+        used, reserved, frees = self.limiter.standing(who)
+        requests, _turns = self.caps.in_flight(owner)
+        _requests, turns = self.caps.in_flight(who)
+        client_used, client_reserved, _frees = self.client_limiter.standing(owner)
         c = self.config
         return {
+            "end_user": end_user,
             "tokens_used": used,
             "tokens_reserved": reserved,
             "tokens_per_minute": c.tokens_per_minute,
@@ -126,6 +133,9 @@ class Admission:
             "max_requests_per_user": c.max_requests_per_user,
             "conversations": conversations,
             "max_sessions_per_user": c.max_sessions_per_user,
+            "client_tokens_used": client_used,
+            "client_tokens_reserved": client_reserved,
+            "tokens_per_minute_per_client": c.tokens_per_minute_per_client,
         }
 
     @property

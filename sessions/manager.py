@@ -135,10 +135,10 @@ class SessionManager(BranchTurns, TurnLife, Transfers):
         without a word or over 200 characters."""
         return self.store.search(owner, text, limit, marks)
 
-    def usage(self, owner: str) -> dict[str, int | float]:
-        """Where `owner` stands against the per-user limits (Admission.usage) and their
-        storage quota, in bytes."""
-        usage = self.admission.usage(owner, self.store.count_sessions(owner))
+    def usage(self, owner: str, end_user: str | None = None) -> dict[str, int | float | str | None]:
+        """Where `owner`, or the end user it names, stands against the per-user limits
+        (Admission.usage), and the owner's storage quota, in bytes."""
+        usage = self.admission.usage(owner, self.store.count_sessions(owner), end_user)
         return {**usage, "storage_bytes": self.quota.used(owner),
                 "max_storage_bytes": self.quota.limit}  # fmt: skip
 

@@ -10,7 +10,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from bench.stream_client import client_address
+from doors.identity import address_owner
 from engine.model.loader import LoadedModel
+from sessions.admission import limit_key
 from tests.web import PROXY, client_at, running_server
 
 HI = [{"role": "user", "content": "Hi"}]
@@ -155,3 +158,42 @@ def test_a_session_turn_with_an_end_user_stays_the_clients_conversation(
     assert [s["id"] for s in listed] == [sid]
     messages = httpx.get(f"{url}/v1/sessions/{sid}", headers=headers, timeout=60).json()
     assert sum(m["role"] == "assistant" for m in messages["messages"]) == 2
+
+
+def test_the_fair_share_stays_the_clients_whatever_end_users_it_names(
+    server: tuple[str, object],
+) -> None:
+    """The engine's fair share orders clients, not the names they send: a client rotating
+    end-user names gets no more of the engine than one naming nobody (its end users share
+    its slice, in arrival order)."""
+    url, sm = server
+    owner = address_owner(client_address("fair-app"))
+    for name in ("f1", "f2"):
+        assert chat(url, "fair-app", name).status_code == 200
+    served = sm.engine.scheduler.policy.served.rows  # user -> [prompt, generated] tokens
+    assert owner in served and served[owner][1] >= 2 * REPLY
+    assert not {limit_key(owner, "f1"), limit_key(owner, "f2")} & served.keys()
+
+
+def test_usage_says_where_a_named_end_user_stands(server: tuple[str, object]) -> None:
+    """`/v1/usage?user=NAME` (or the operator's header) answers for that end user of the
+    client, and the client's standing against its cap beside it; a bad name is a 400."""
+    url, _sm = server
+    assert chat(url, "usage-app", "u-busy").status_code == 200
+
+    def usage(**params: str) -> dict:
+        headers = {**client_at("usage-app"), **params.pop("headers", {})}
+        r = httpx.get(f"{url}/v1/usage", params=params, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    busy, idle, client = usage(user="u-busy"), usage(user="u-idle"), usage()
+    assert busy["end_user"] == "u-busy" and busy["tokens_used"] >= REPLY
+    assert idle["end_user"] == "u-idle" and idle["tokens_used"] == 0
+    assert client["end_user"] is None and client["tokens_used"] == 0  # its own name: unused
+    assert busy["client_tokens_used"] == client["client_tokens_used"] >= REPLY
+    assert busy["tokens_per_minute"] == PER_USER
+    assert client["tokens_per_minute_per_client"] == PER_CLIENT
+    assert usage(headers={HEADER: "u-busy"})["tokens_used"] == busy["tokens_used"]
+    r = httpx.get(f"{url}/v1/usage", params={"user": "a\x00b"}, headers=client_at("usage-app"))
+    assert r.status_code == 400 and error(r, 400)["param"] == "user"
