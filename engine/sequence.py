@@ -15,6 +15,12 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_LEN = 256
 
 
+# A token sampled by a step still running on the device (run-ahead, engine.core.loop): the
+# scheduler counts it, the step after feeds it from the device, and the host learns its id a
+# step later (`OutputProcessor.emit`). Never a real id: a placeholder that reached an embedding
+# on the host would fail loudly.
+PLACEHOLDER = -1
+
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -165,8 +171,10 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     def hashes(self, block_size: int) -> list[bytes]:
-        """Chain hashes of its full blocks so far (extended as tokens are generated)."""
-        extend_hashes(
-            self.block_hashes, self.token_ids, block_size, self.cache_ns, self.shareable_prefix
-        )
+        """Chain hashes of its full blocks so far (extended as tokens are generated), of
+        known tokens only: never over the placeholders of steps still running."""
+        ids = self.token_ids
+        if ids and ids[-1] == PLACEHOLDER:
+            ids = ids[: ids.index(PLACEHOLDER)]
+        extend_hashes(self.block_hashes, ids, block_size, self.cache_ns, self.shareable_prefix)
         return self.block_hashes

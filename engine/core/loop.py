@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TypeVar
 
 from engine.core.budget import TokenBudget
@@ -20,17 +21,43 @@ from engine.core.messages import Call, Cancel, Message, Stop, Submit
 from engine.core.output import OutputProcessor
 from engine.core.scheduler import Scheduler
 from engine.metrics import Metrics
+from engine.model.launched import StepTokens
 from engine.model.plan import StepPlan
 from engine.model.runner import ModelRunner
-from engine.sequence import FinishReason, Sequence
+from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 log = logging.getLogger("engine.core.engine")
 T = TypeVar("T")
 IDLE_WAIT_S = 0.5
 
 
+@dataclass
+class Ahead:
+    """A launched step whose tokens the host has not read yet (run-ahead)."""
+
+    plan: StepPlan
+    tokens: StepTokens
+    t0: float  # perf_counter at its launch
+
+
+def live(plan: StepPlan) -> StepPlan:
+    """`plan` without the sequences that ended since it was made."""
+    done = SequenceStatus.FINISHED
+    return StepPlan(
+        decodes=[s for s in plan.decodes if s.status is not done],
+        prefills=[(s, n) for s, n in plan.prefills if s.status is not done],
+        preempted=plan.preempted,
+    )
+
+
 class EngineLoop:
-    """Continuous batching on one thread: drain the inbox, schedule, run, process, publish."""
+    """Continuous batching on one thread: drain the inbox, schedule, run, process, publish.
+
+    Where the runner runs ahead (`ModelRunner.runs_ahead`: CUDA), a step is launched, counted
+    (each sampled row gets a placeholder token) and its tokens read only after the next step
+    is launched, whose decodes take them on the device: the inbox, the schedule, the next
+    step's inputs and the output pass of step N all run while step N+1 runs on the GPU. A step
+    that cannot take them there (prefills, penalties, too wide) reads them first."""
 
     scheduler: Scheduler
     runner: ModelRunner
@@ -48,6 +75,8 @@ class EngineLoop:
     _queue_positions: dict[int, int]
     _running_ids: frozenset[int]
     _running_seen: int  # the scheduler's `running_changes` when `_running_ids` was built
+    _ahead: Ahead | None = None  # the launched step whose tokens are not read yet
+    _landed_at: float = 0.0  # perf_counter when the last launched step's tokens were read
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread and return its result (on the caller's thread once
@@ -98,8 +127,9 @@ class EngineLoop:
         reason = "the server is shutting down"
         try:
             while not self._stopping:
-                self._drain(block=not self.scheduler.has_work())
-                if not self._stopping and self.scheduler.has_work():
+                work = self.scheduler.has_work() or self._ahead is not None
+                self._drain(block=not work)
+                if not self._stopping and (self.scheduler.has_work() or self._ahead is not None):
                     self._step()
                 self._publish()
         except BaseException as e:  # noqa: BLE001 - nobody would wait forever: fail them all
@@ -125,11 +155,27 @@ class EngineLoop:
             self._publish()
 
     def _step(self) -> None:
-        """Schedule, run, process."""
+        """Schedule, run, process; where the runner runs ahead (CUDA), launch this step before
+        the last one's tokens are read, so the host's work overlaps the device's."""
         plan = self.scheduler.schedule(self.budget.next(self.scheduler))
         self.output.count_admitted()
+        ahead = self._ahead
+        feed = None
+        if ahead is not None and plan:
+            feed = self.runner.feed(plan, ahead.tokens)  # type: ignore[attr-defined]
+        if ahead is not None and feed is None:  # this step needs the last one's tokens here
+            self._ahead = None
+            self._land(ahead)
+            plan = live(plan)
+            if not plan:
+                return
         if not plan:
             self._drain(block=True)  # nothing fits: wait for a cancel or a release
+            return
+        if getattr(self.runner, "runs_ahead", False):
+            self._launch(plan, feed)
+            if ahead is not None and feed is not None:
+                self._land(ahead)
             return
         t0 = time.perf_counter()
         next_tokens = self._run(plan)
@@ -155,6 +201,48 @@ class EngineLoop:
             log.exception("model step failed; failing its %d requests", len(plan.sequences))
             self.output.fail(plan.sequences, f"generation failed: {e}")
             return None
+
+    def _launch(self, plan: StepPlan, feed: object | None) -> None:
+        """Start `plan` on the device and count it as computed; its tokens are read at the next
+        step (`_land`). Where the launch fails, the step before is landed and this one's
+        requests fail."""
+        t0 = time.perf_counter()
+        try:
+            tokens = self.runner.launch(plan, feed)  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
+            log.exception("model step failed; failing its %d requests", len(plan.sequences))
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None:
+                self._land(ahead)
+            self.output.fail(plan.sequences, f"generation failed: {e}")
+            return
+        self.output.advance(plan, tokens.sampled)
+        self._ahead = Ahead(plan, tokens, t0)
+
+    def _land(self, ahead: Ahead) -> None:
+        """Read a launched step's tokens (waiting for the device) and process them."""
+        plan = ahead.plan
+        try:
+            ids = ahead.tokens.tokens()
+        except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
+            log.exception("model step failed; failing its %d requests", len(plan.sequences))
+            self.output.fail(plan.sequences, f"generation failed: {e}")
+            return
+        now = time.monotonic()
+        # the step's period as a user sees it: from the last step's tokens to its own
+        end = time.perf_counter()
+        ms = (end - max(ahead.t0, self._landed_at)) * 1000
+        self._landed_at = end
+        self.budget.record(plan, ms)
+        sampled = ahead.tokens.sampled
+        self.output.emit(plan, list(zip(sampled, ids, strict=True)), now)
+        self.metrics.record_step(
+            now,
+            ms,
+            len(plan.decodes) + len(plan.prefills),
+            len(sampled),
+            sum(n for _, n in plan.prefills),
+        )
 
     def _publish(self) -> None:
         sched = self.scheduler

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engine.core.detokenizer import IncrementalDetokenizer
@@ -12,7 +12,7 @@ from engine.core.scheduler import Scheduler
 from engine.handle import RequestHandle
 from engine.metrics import Metrics
 from engine.model.plan import StepPlan
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.sequence import PLACEHOLDER, FinishReason, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +79,7 @@ class OutputProcessor:
                 self.metrics.record_admission(time.monotonic())
 
     def process(self, plan: StepPlan, next_tokens: dict[Sequence, int], now: float) -> None:
-        """Record what the step computed and hand each sampled token to its request.
-
-        One pass a row, its work inlined: at 256 rows every call a row costs ~0.03 ms a step,
-        engine-thread time a GPU waits on."""
+        """Record what the step computed and hand each sampled token to its request."""
         sched = self.scheduler
         bs = sched.pool.block_size
         for seq in plan.decodes:
@@ -92,12 +89,43 @@ class OutputProcessor:
         for seq, n in plan.prefills:
             seq.num_computed += n
             sched.cache_computed(seq)
+        self._hand_out(next_tokens.items(), now, ahead=False)
+
+    def advance(self, plan: StepPlan, sampled: list[Sequence]) -> None:
+        """Right after a step is launched whose tokens come later (run-ahead): what it
+        computes counts, and each sampled row gets a placeholder for its token, so the next
+        step is scheduled with it (as vLLM v1's async scheduler does). `emit` fills them in."""
+        for seq in plan.decodes:
+            seq.num_computed += 1
+        for seq, n in plan.prefills:
+            seq.num_computed += n
+        for seq in sampled:
+            seq.token_ids.append(PLACEHOLDER)
+
+    def emit(self, plan: StepPlan, tokens: list[tuple[Sequence, int]], now: float) -> None:
+        """A step `advance`d earlier, its tokens read: offer the blocks it filled (their
+        tokens now known), then hand each token to its request, in its placeholder's place.
+        A request that ended meanwhile (a stop found a step before, a cancel) gets nothing."""
+        sched = self.scheduler
+        bs = sched.pool.block_size
+        for seq in plan.sequences:
+            if seq.status is SequenceStatus.RUNNING and seq.num_computed // bs > seq.num_registered:
+                sched.cache_computed(seq)
+        self._hand_out(tokens, now, ahead=True)
+
+    def _hand_out(self, tokens: Iterable[tuple[Sequence, int]], now: float, ahead: bool) -> None:
+        """One pass a row, its work inlined: at 256 rows every call a row costs ~0.03 ms a step,
+        engine-thread time a GPU waits on. `ahead`: each token takes its sequence's first
+        placeholder (the last but one where the step after it ran too), else it is appended."""
         itl: list[float] = []
         ttft: list[float] = []
         requests = self.requests
         ended: list[tuple[Request, FinishReason, int | None]] = []
         woken: list[RequestHandle] = []  # handles whose reader waits: woken once, after the pass
-        for seq, token in next_tokens.items():
+        for seq, token in tokens:
+            req = requests.get(seq.seq_id)
+            if req is None:  # ended while its step ran: this token is never shown
+                continue
             last = seq.last_token_at
             if last is None:
                 seq.first_token_at = now
@@ -105,9 +133,14 @@ class OutputProcessor:
             else:
                 itl.append(now - last)
             seq.last_token_at = now
-            req = requests[seq.seq_id]
             ids = seq.token_ids
-            ids.append(token)
+            if ahead:
+                at = len(ids) - 2 if ids[-2] == PLACEHOLDER else len(ids) - 1
+                ids[at] = token
+                length = at + 1
+            else:
+                ids.append(token)
+                length = len(ids)
             if token in req.stops:  # joins the handle's ids at the end, with no text
                 ended.append((req, FinishReason.STOP, token))
                 continue
@@ -122,7 +155,7 @@ class OutputProcessor:
                 if detok.stopped:
                     ended.append((req, FinishReason.STOP, None))
                     continue
-            if len(ids) >= req.end:  # max_new_tokens generated, or the model's length
+            if length >= req.end:  # max_new_tokens generated, or the model's length
                 ended.append((req, FinishReason.LENGTH, None))
         for handle in woken:
             handle.wake_reader()
@@ -155,6 +188,11 @@ class OutputProcessor:
         """End the request: free or retain its blocks, flush its text, wake its caller.
         `last_token`: the stop token that ended it (counted, never shown)."""
         seq = req.seq
+        ids = seq.token_ids
+        if ids and ids[-1] == PLACEHOLDER:  # steps launched after its end: never shown
+            del ids[ids.index(PLACEHOLDER) :]
+            # what a step at a time would have computed: all but its last token
+            seq.num_computed = min(seq.num_computed, len(ids) - 1)
         if seq.status is not SequenceStatus.FINISHED:
             if not req.admitted:
                 req.admitted = True

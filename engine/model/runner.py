@@ -13,13 +13,14 @@ from engine.kernels.cpu_kernels import Kernel
 from engine.model import attention
 from engine.model.attention import DecodeGroup, PrefillChunk, PrefillGroup, StepMetadata
 from engine.model.kv_cache import KVCache
+from engine.model.launched import LaunchedStep, StepTokens
 from engine.model.lean_llama import lean_forward
 from engine.model.lean_norm import fuse_norms
 from engine.model.loader import LoadedModel
 from engine.model.plan import StepPlan
-from engine.model.sampler import sample
+from engine.model.sampler import sample, sample_tensor
 from engine.model.static_decode import StaticDecode
-from engine.sequence import Sequence
+from engine.sequence import PLACEHOLDER, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,10 @@ class ModelRunner:
             )
             if self.device.type == "cuda":
                 self._capture()
+        # CUDA launches each step and reads its tokens one step later, the next step's decodes
+        # taking them on the device (engine.core.loop); the CPU's forward is the engine
+        # thread's own work, with nothing to overlap: every step runs with `run`
+        self.runs_ahead = self.device.type == "cuda" and self.static is not None
         arch = (getattr(self.model.config, "architectures", None) or ["?"])[0]
         if self.lean is not None:
             log.info("%s: the fast path (a flat Llama forward, crowdchat's kernels)", arch)
@@ -342,6 +347,43 @@ class ModelRunner:
             return {}
         picks = sample(logits, sampled, self.stop_ids, owned=True)  # the step's own logits
         return dict(zip(sampled, picks, strict=True))
+
+    def feed(self, plan: StepPlan, prev: StepTokens) -> tuple[torch.Tensor, list[int]] | None:
+        """`prev`'s picks on the device and where each of `plan`'s decodes takes its token
+        among them (-1: known here), if the plan runs on the static path and no row needs its
+        ids on the host (penalties read them); else None."""
+        static = self.static
+        assert isinstance(prev, LaunchedStep)
+        if static is None or plan.prefills or prev.picks is None or not static.fits(plan.decodes):
+            return None
+        rows = prev.rows
+        sources = []
+        for s in plan.decodes:
+            if s.params.penalized:
+                return None
+            if s.token_ids[s.num_computed] == PLACEHOLDER:
+                at = rows.get(s)
+                if at is None:
+                    return None
+                sources.append(at)
+            else:
+                sources.append(-1)
+        return prev.picks, sources
+
+    @torch.inference_mode()
+    def launch(
+        self, plan: StepPlan, feed: tuple[torch.Tensor, list[int]] | None = None
+    ) -> LaunchedStep:
+        """Start one step and its sampling on the device; its tokens are read later
+        (`LaunchedStep.tokens`). `feed`: `feed`'s answer for the step launched before."""
+        if feed is not None:
+            assert self.static is not None
+            logits = self.static.run(plan.decodes, feed)
+        else:
+            logits = self.forward(plan)
+        sampled = plan.decodes + [s for s, n in plan.prefills if s.num_computed + n == s.num_tokens]
+        picks = sample_tensor(logits, sampled, self.stop_ids, owned=True) if sampled else None
+        return LaunchedStep(sampled, picks)
 
     def _stacks_prompt(self, plan: StepPlan) -> bool:
         """Whether a CPU step with prompt tokens runs as one `crowdchat::prompt_stack` call

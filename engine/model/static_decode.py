@@ -5,9 +5,15 @@ a layer, each paying Python and dispatcher time, and its inputs built as fresh t
 blocking host-to-device copy. Here a step of n decodes runs as bucket b (the smallest of
 `LoadedModel.decode_buckets` >= n, up to `--cuda-graph-rows`):
 
-- its inputs (token ids, positions, slot mapping, context lengths and an int64 block table as
-  wide as the longest context the model takes) live in one persistent device buffer, filled
-  from one pinned host buffer by one non-blocking copy a step;
+- its inputs (token ids, positions, slot mapping, context lengths, where a row's token comes
+  from the previous step's picks, and an int64 block table as wide as the longest context the
+  engine admits) live in one persistent device buffer, filled from a pinned host buffer by one
+  non-blocking copy a step. There are two host buffers, taken in turn, each with an event
+  recorded after its copy: while step N's copy may still be reading one, step N+1 fills the
+  other (engine.core.loop runs a step ahead), and waits on its event first (done unless the
+  GPU is more than a step behind);
+- a row whose token the previous step sampled on the device and the host has not read yet
+  (run-ahead: `engine.sequence.PLACEHOLDER`) takes it from that step's picks on the device;
 - rows n..b-1 are padding: length 0 (the Triton kernel writes zeros for them), their new K/V
   written into a scratch block the pool keeps aside (`KVCache(scratch=True)`), so they touch
   no one's context;
@@ -38,7 +44,20 @@ from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-FIELDS = 4  # per row before its table: token id, position, slot, context length
+
+class CopyDone:
+    """The CPU's stand-in for a CUDA event after a copy: copies there are done when issued."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+# per row before its table: token id, position, slot, context length, and the row of the
+# previous step's picks its token id is (-1: the id given)
+FIELDS = 5
 # A bucket's decode attention is cut into about this many (row, KV head, split) programs: a
 # few per SM of an H100 (132) or H200, so one row alone still spreads its context over the
 # GPU, while a full bucket takes few long splits and its partial sums ([rows, heads, splits,
@@ -86,19 +105,22 @@ class StaticDecode:
         rows = sizes[-1]
         self.max_rows = rows
         self.scratch_slot = cache.scratch_block * bs
-        # one flat int64 buffer: ids, positions, slots, lengths ([rows] each), then the table
+        # one flat int64 buffer: ids, positions, slots, lengths, sources ([rows] each), then
+        # the table; two pinned host buffers taken in turn, each with its last copy's event
         total = rows * (FIELDS + self.width)
         cuda = self.device.type == "cuda"
-        self.host = torch.zeros(total, dtype=torch.long, pin_memory=cuda)
-        self.staged = self.host.numpy()
+        self.hosts = [torch.zeros(total, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.copied = [torch.cuda.Event() if cuda else CopyDone() for _ in range(2)]
+        self.turn = 0  # the host buffer the next step fills
         self.flat = torch.zeros(total, dtype=torch.long, device=self.device)
-        self.ids, self.positions, self.slots, self.lens = self.flat[: FIELDS * rows].view(
-            FIELDS, rows
-        )
+        self.ids, self.positions, self.slots, self.lens, self.sources = self.flat[
+            : FIELDS * rows
+        ].view(FIELDS, rows)
         self.table = self.flat[FIELDS * rows :].view(rows, self.width)
         self.logit_rows = torch.arange(rows, device=self.device)
-        self._pad(0)
-        self.flat.copy_(self.host)
+        for host in self.hosts:
+            self._pad(host.numpy(), 0)
+        self.flat.copy_(self.hosts[0])
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_bytes = 0
 
@@ -112,30 +134,39 @@ class StaticDecode:
     def bucket(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
-    def _pad(self, first: int) -> None:
-        """Rows `first`.. of the host buffer as padding: token 0 at position 0, writing the
-        scratch slot, no context (their table rows are never read)."""
+    def _pad(self, staged: np.ndarray, first: int) -> None:
+        """Rows `first`.. of a host buffer as padding: token 0 at position 0, writing the
+        scratch slot, no context (their table rows are never read), no source."""
         rows = self.max_rows
-        for f, value in enumerate((0, 0, self.scratch_slot, 0)):
-            self.staged[f * rows + first : (f + 1) * rows] = value
+        for f, value in enumerate((0, 0, self.scratch_slot, 0, -1)):
+            staged[f * rows + first : (f + 1) * rows] = value
 
-    def _fill(self, decodes: list[Sequence]) -> None:
-        """The step's rows into the host buffer, then one copy to the device: the fields of
-        every row and the table rows of `decodes` only (a prefix of the flat buffer; padding
-        rows have no context, so their table rows are never read)."""
-        rows, bs, staged = self.max_rows, self.block_size, self.staged
+    def _fill(self, decodes: list[Sequence], sources: list[int] | None = None) -> None:
+        """The step's rows into the next host buffer, then one copy to the device: the fields
+        of every row and the table rows of `decodes` only (a prefix of the flat buffer; padding
+        rows have no context, so their table rows are never read). `sources`: each row's index
+        in the previous step's picks, or -1 where its token id is known here."""
+        turn = self.turn
+        self.turn ^= 1
+        host, copied = self.hosts[turn], self.copied[turn]
+        copied.synchronize()  # the copy that last read this buffer (two steps ago) is done
+        rows, bs, staged = self.max_rows, self.block_size, host.numpy()
         table = staged[FIELDS * rows :].reshape(rows, self.width)
         for i, s in enumerate(decodes):
             p = s.num_computed  # the decode token's position
             nblk = p // bs + 1
-            staged[i] = s.token_ids[p]
+            staged[i] = s.token_ids[p] if sources is None or sources[i] < 0 else 0
             staged[rows + i] = p
             staged[2 * rows + i] = s.block_table[p // bs] * bs + p % bs
             staged[3 * rows + i] = p + 1
             table[i, :nblk] = np.asarray(s.block_table[:nblk], dtype=np.int64)
-        self._pad(len(decodes))
-        used = FIELDS * rows + len(decodes) * self.width
-        self.flat[:used].copy_(self.host[:used], non_blocking=True)
+        n = len(decodes)
+        if sources is not None:
+            staged[4 * rows : 4 * rows + n] = sources
+        self._pad(staged, n)
+        used = FIELDS * rows + n * self.width
+        self.flat[:used].copy_(host[:used], non_blocking=True)
+        copied.record()
 
     def _forward(self, b: int) -> torch.Tensor:
         """The lean forward over the first `b` rows of the buffers: logits [b, V]."""
@@ -154,11 +185,19 @@ class StaticDecode:
         return self.lean.forward(ids, self.positions[:b].view(1, b), meta, self.logit_rows[:b])
 
     @torch.inference_mode()
-    def run(self, decodes: list[Sequence]) -> torch.Tensor:
-        """The logits of `decodes` (which `fits` accepted), one row each, in their order."""
+    def run(
+        self, decodes: list[Sequence], fed: tuple[torch.Tensor, list[int]] | None = None
+    ) -> torch.Tensor:
+        """The logits of `decodes` (which `fits` accepted), one row each, in their order.
+        `fed`: the previous step's picks on the device ([m] int64) and, for each row, the
+        index of its token among them (-1: its token id is known on the host)."""
         n = len(decodes)
         b = self.bucket(n)
-        self._fill(decodes)
+        self._fill(decodes, None if fed is None else fed[1])
+        if fed is not None:  # on the device, before the graph reads the ids: no host wait
+            picks, sources = fed[0], self.sources[:n]
+            taken = picks.index_select(0, sources.clamp(min=0))
+            self.ids[:n].copy_(torch.where(sources >= 0, taken, self.ids[:n]))
         graph = self.graphs.get(b)
         if graph is None:
             return self._forward(b)[:n]
@@ -170,8 +209,8 @@ class StaticDecode:
         """Capture every bucket's forward as a CUDA graph (largest first, one memory pool), on
         padding rows only; `graph_bytes` is the memory the graphs keep."""
         assert self.device.type == "cuda"
-        self._pad(0)
-        self.flat.copy_(self.host)
+        self._pad(self.hosts[0].numpy(), 0)
+        self.flat.copy_(self.hosts[0])
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
