@@ -12,6 +12,7 @@ import pytest
 
 from engine import Engine, FinishReason, RequestHandle, SamplingParams, ServerBusy
 from engine.core.resident import common_prefix
+from engine.sequence import PLACEHOLDER
 from tests.fake_model import VOCAB, expected_reply, fake_engine
 
 WAIT_S = 30.0  # far above what any request here needs: hitting it means something hangs
@@ -179,6 +180,24 @@ def test_random_crowds_get_exact_replies_and_exact_accounting(
     assert len(crowd.sent) >= requests // 10 and len(crowd.sent) + crowd.rejected == requests
     reasons = {s.handle.finish_reason for s in crowd.sent}
     assert FinishReason.CANCELLED in reasons and FinishReason.LENGTH in reasons
+
+
+@pytest.mark.parametrize(("seed", "requests", "blocks", "settings"), SCENARIOS)
+def test_random_crowds_running_a_step_ahead_get_the_same_exact_replies(
+    seed: int, requests: int, blocks: int, settings: dict
+) -> None:
+    """The loop as it runs on CUDA: each step launched before the last one's tokens are read,
+    its decodes fed them on the "device" (RunAheadFakeRunner), the host's ids holding
+    placeholders meanwhile. Every reply is still its solo reply token for token (stop tokens,
+    lengths, cancels mid-reply, preemptions in tiny pools, owners coming back to their KV),
+    no placeholder ever reaches the model, and the accounting is exact at every step."""
+    crowd = simulate(seed, requests, blocks, run_ahead=True, **settings)
+    runner = crowd.engine.runner
+    assert runner.fed_steps > runner.steps // 4  # most steps ran ahead, some fell back
+    reasons = {s.handle.finish_reason for s in crowd.sent}
+    assert {FinishReason.CANCELLED, FinishReason.LENGTH, FinishReason.STOP} <= reasons
+    for s in crowd.sent:
+        assert PLACEHOLDER not in s.handle.token_ids
 
 
 def test_the_resident_prefix_is_reused_by_the_owner_only() -> None:
