@@ -17,6 +17,7 @@ from engine.chat_format import ChatFormatter
 from engine.kernels import cpu_kernels, triton_attention
 from engine.model.loader import LoadedModel, decode_buckets, graph_buckets, load_model
 from engine.model.plan import StepPlan
+from engine.model.runner import ModelRunner
 from engine.model.static_decode import MIN_SPLIT_TOKENS, StaticDecode, split_tokens
 from engine.sequence import Sequence
 from tests.model_zoo import build
@@ -244,3 +245,93 @@ def test_no_cpu_kernel_probe_where_they_do_not_attend(
     engine.shutdown()
     assert engine.runner.static is not None  # type: ignore[attr-defined]
     assert probed == []
+
+
+class PendingCopy:
+    """A test event: after `record` it reports its copy as still running until waited on."""
+
+    def __init__(self, name: int, log: list[tuple[str, int]]) -> None:
+        self.name, self.log, self.done = name, log, True
+
+    def record(self) -> None:
+        self.log.append(("record", self.name))
+        self.done = False
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.name))
+        self.done = True
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_the_staging_buffers_alternate_and_a_pending_copys_buffer_is_left_alone(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """Step N+1 is prepared while step N's copy may still be reading its host buffer (the
+    loop runs a step ahead on CUDA): the static decode fills the other one, waiting first on
+    that one's event only, so N's staged rows stay as they were until the copy is done."""
+    engine = engine_for(tiny, tmp_path)
+    engine.shutdown()  # drive the runner on this thread
+    static: StaticDecode = engine.runner.static  # type: ignore[attr-defined]
+    log: list[tuple[str, int]] = []
+    static.copied = [PendingCopy(0, log), PendingCopy(1, log)]
+    seqs = three_prompts(5)
+    with torch.inference_mode():
+        prefilled(engine, seqs)
+        static.run(seqs)
+        assert log == [("wait", 0), ("record", 0)]
+        first = static.hosts[0].clone()
+        assert torch.equal(static.flat, first)  # the device took buffer 0
+        seqs[1].num_computed += 1  # another step's rows: a later position for one of them
+        seqs[1].token_ids.append(7)
+        static.run(seqs[:2])
+        # buffer 1, after waiting on its own event; buffer 0's copy still pending, untouched
+        assert log[2:] == [("wait", 1), ("record", 1)]
+        assert not static.copied[0].query()
+        assert torch.equal(static.hosts[0], first)
+        assert not torch.equal(static.hosts[1], first)
+        assert torch.equal(
+            static.flat[: static.max_rows * 5], static.hosts[1][: static.max_rows * 5]
+        )
+        static.run(seqs[:1])
+        assert log[4:] == [("wait", 0), ("record", 0)]  # back to buffer 0, once its copy is done
+
+
+def test_running_ahead_the_static_steps_reply_as_step_by_step(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """The CUDA loop on the CPU: each step launched before the last one's tokens are read, its
+    decodes fed them on the device (`StaticDecode.run`'s `fed`). Greedy, seeded sampled and
+    penalized replies (penalties read the ids on the host: those steps wait), with a request
+    arriving mid-way (its prefill waits too), are the step-by-step loop's token for token."""
+    fmt = ChatFormatter(tiny.tokenizer)
+    prompts = [fmt.encode([{"role": "user", "content": q}]) for q in ("Hi!", "Why?", "How so?")]
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=9),
+        SamplingParams(temperature=0.8, seed=5, max_new_tokens=12),
+        SamplingParams(temperature=0, max_new_tokens=6, repetition_penalty=1.3),
+    ]
+    replies, fed = [], []
+
+    def ahead(*args: object) -> ModelRunner:
+        runner = ModelRunner(*args)  # type: ignore[arg-type]
+        runner.runs_ahead = True  # as on CUDA
+        direct = runner.static.run
+        runner.static.run = lambda decodes, fed_by=None: (
+            fed.append(fed_by is not None) or direct(decodes, fed_by)
+        )
+        return runner
+
+    for factory in (ModelRunner, ahead):
+        engine = engine_for(tiny, tmp_path, runner=factory)
+        try:
+            first = [engine.submit(p, sp) for p, sp in zip(prompts[:2], params[:2], strict=True)]
+            first[0]._done.wait(0.05)  # the third arrives while the first two decode
+            handles = [*first, engine.submit(prompts[2], params[2])]
+            replies.append([(h.result(), h.token_ids, h.finish_reason) for h in handles])
+        finally:
+            engine.check_integrity()
+            engine.shutdown()
+    assert replies[0] == replies[1]
+    assert True in fed and False in fed  # steps fed on the device, and steps that waited
