@@ -21,6 +21,7 @@ from engine.model.loader import LoadedModel
 from engine.model.plan import StepPlan
 from engine.sequence import FinishReason, SamplingParams, Sequence
 from engine.served import user_of
+from tests.fake_model import FakeTokens
 
 
 def charge_row_by_row(vtc: VirtualTokenCounter, decodes: list, prefills: list) -> None:
@@ -133,15 +134,30 @@ class ScriptedRunner:
         }
 
 
+class RunAheadScriptedRunner(ScriptedRunner):
+    """ScriptedRunner behind the run-ahead protocol: a step's tokens are read by the loop one
+    step later (its rows' scripts are indexed by `num_generated`, placeholders included)."""
+
+    runs_ahead = True
+
+    def feed(self, plan: StepPlan, prev: FakeTokens) -> dict | None:
+        return None if plan.prefills else {}
+
+    def launch(self, plan: StepPlan, feed: dict | None) -> FakeTokens:
+        return FakeTokens(self.run(plan))
+
+
+@pytest.mark.parametrize("run_ahead", [False, True])
 @pytest.mark.parametrize("seed", [1, 58])
 def test_replies_through_the_engine_with_live_readers_are_what_the_tokens_say(
-    local: tuple, seed: int
+    local: tuple, seed: int, run_ahead: bool
 ) -> None:
-    """The real engine loop, scheduler and output path over a scripted stand-in, a crowd of
-    replies read live by threads and an asyncio loop while they are generated: each reader
-    gets its reply's text once, in order (the text a per-token decoder gives for the tokens
-    before the end, the stop token never shown), with the finish reason and token ids the
-    script says (a stop token ends and is counted; max_new_tokens; a stop string)."""
+    """The real engine loop (step by step, or a step ahead), scheduler and output path over a
+    scripted stand-in, a crowd of replies read live by threads and an asyncio loop while they
+    are generated: each reader gets its reply's text once, in order (the text a per-token
+    decoder gives for the tokens before the end, the stop token never shown), with the finish
+    reason and token ids the script says (a stop token ends and is counted; max_new_tokens; a
+    stop string)."""
     tokenizer, _, _, vocab = local
     eos = tokenizer.eos_token_id
     rng = random.Random(seed)
@@ -159,7 +175,8 @@ def test_replies_through_the_engine_with_live_readers_are_what_the_tokens_say(
         params.append(SamplingParams(max_new_tokens=rng.randint(1, 50), stop=stop))
     loaded = LoadedModel.stand_in(tokenizer, vocab, 4096, "instant")
     config = EngineConfig(block_size=8, kv_budget_mb=60 * 64 / 2**20, max_num_seqs=16, max_queue=n)
-    engine = Engine(config, loaded, runner=lambda *a, **k: ScriptedRunner(scripts, [eos]))
+    kind = RunAheadScriptedRunner if run_ahead else ScriptedRunner
+    engine = Engine(config, loaded, runner=lambda *a, **k: kind(scripts, [eos]))
     texts: dict[int, str] = {}
     try:
         handles = [engine.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
