@@ -10,7 +10,10 @@ threads): after the timed steps, or with `--live-readers` by a thread a reply wh
 generated (every step then wakes the readers that wait, and they share the GIL with the engine
 thread). Prints one JSON object a row count and, last, a summary JSON object with
 `host_ms_per_step_N` for each N. `--profile` adds the engine thread's top functions by own time
-(cProfile) at the largest row count.
+(cProfile) at the largest row count. `--device-ms` adds a stand-in whose steps take that long on
+a thread of their own (a GPU stream): steps/s with the loop waiting for each step's tokens
+(`steps_per_s_sync_N`) and running a step ahead as it does on CUDA (`steps_per_s_ahead_N`),
+alternated, and their ratios: how much of the host's work a step the overlap hides.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import itertools
 import json
 import platform
 import pstats
+import queue
 import statistics
 import sys
 import tempfile
@@ -82,6 +86,61 @@ class InstantRunner:
         return dict(zip(sampled, picks.tolist(), strict=True))
 
 
+class DeviceTokens:
+    """A step's picks, ready when the stand-in's "device" thread has run the step."""
+
+    def __init__(self, picks: dict[Sequence, int], ran: threading.Event) -> None:
+        self.sampled = list(picks)
+        self.picks = picks
+        self.ran = ran
+
+    def tokens(self) -> list[int]:
+        self.ran.wait()
+        return list(self.picks.values())
+
+
+class DeviceRunner(InstantRunner):
+    """The stand-in with a device: each step takes `device_ms` on a thread of its own, in
+    launch order, as a CUDA stream runs graph replays (a 135M-shape step on an H100: ~1-2 ms),
+    without the GIL. `ahead`: behind the run-ahead protocol (engine.model.launched.RunsAhead),
+    so the loop launches step N+1 before it reads step N's tokens, as it does on CUDA; else each
+    step waits for its own (`run`). Records each timed step's launch time."""
+
+    def __init__(self, reply: list[int], stop_ids: list[int], device_ms: float, ahead: bool):
+        super().__init__(reply, stop_ids)
+        self.device_s = device_ms / 1e3
+        self.runs_ahead = ahead
+        self.stream: queue.Queue[threading.Event | None] = queue.Queue()
+        self.device = threading.Thread(target=self._device, daemon=True)
+        self.device.start()
+        self.launches: list[float] = []
+
+    def _device(self) -> None:
+        while (ran := self.stream.get()) is not None:
+            time.sleep(self.device_s)
+            ran.set()
+
+    def feed(self, plan: StepPlan, prev: DeviceTokens) -> dict | None:
+        return None if plan.prefills else {}
+
+    def launch(self, plan: StepPlan, feed: dict | None = None) -> DeviceTokens:
+        if len(plan.decodes) == self.rows and not plan.prefills and not self.done:
+            self.launches.append(time.perf_counter())
+            if len(self.launches) > self.want:
+                self.done = True
+                self.finished.set()
+        sampled = plan.decodes + [s for s, n in plan.prefills if s.num_computed + n == s.num_tokens]
+        n = len(self.reply)
+        picks = {s: self.reply[(s.seq_id * 7 + s.num_generated) % n] for s in sampled}
+        ran = threading.Event()
+        self.stream.put(ran)
+        return DeviceTokens(picks, ran)
+
+    def run(self, plan: StepPlan) -> dict[Sequence, int]:
+        step = self.launch(plan)
+        return dict(zip(step.sampled, step.tokens(), strict=True))
+
+
 def measure(  # noqa: PLR0913
     tokenizer,  # noqa: ANN001
     vocab: int,
@@ -89,17 +148,22 @@ def measure(  # noqa: PLR0913
     steps: int,
     profile: bool,
     live: bool = False,
+    device: tuple[float, bool] | None = None,
 ) -> dict:
     """One engine over the stand-in, `rows` requests decoding: the median host ms a step.
     `live`: a thread a reply reads it while it is generated (a server's relays), so every
-    step wakes the readers that wait; else each reply is read after the timed steps."""
+    step wakes the readers that wait; else each reply is read after the timed steps.
+    `device`: (ms a step, whether the loop runs ahead) for `DeviceRunner`: then steps/s."""
     reply = tokenizer.encode(TEXT, add_special_tokens=False)
     prompt = tokenizer.encode(TEXT * 2, add_special_tokens=False)
     made: list[InstantRunner] = []
     eos = tokenizer.eos_token_id
 
     def factory(loaded: LoadedModel, cache: KVCache, max_model_len: int = 0) -> InstantRunner:
-        made.append(InstantRunner(reply, [eos]))
+        if device is None:
+            made.append(InstantRunner(reply, [eos]))
+        else:
+            made.append(DeviceRunner(reply, [eos], *device))
         return made[0]
 
     # replies long enough for `steps` steps of every row decoding even when the rows were
@@ -134,6 +198,16 @@ def measure(  # noqa: PLR0913
             h.result()
     finally:
         engine.shutdown()
+    if isinstance(runner, DeviceRunner):
+        runner.stream.put(None)
+        t = runner.launches
+        return {
+            "rows": rows,
+            "device_ms": device[0],  # type: ignore[index]
+            "run_ahead": runner.runs_ahead,
+            "steps": len(t) - 1,
+            "steps_per_s": round((len(t) - 1) / (t[-1] - t[0]), 1),
+        }
     marks = runner.marks
     assert len(marks) > steps, f"only {len(marks)} steps of {rows} decodes"
     # from the picks' hand-back (tolist) to the next step's call of the stand-in
@@ -170,6 +244,14 @@ def main() -> None:
         action="store_true",
         help="a reader thread a reply, reading while it is generated (default: read after)",
     )
+    ap.add_argument(
+        "--device-ms",
+        type=float,
+        default=0.0,
+        help="also a stand-in whose steps take this long on a device thread: steps/s with the "
+        "loop waiting for each step's tokens and running a step ahead, alternated --rounds times",
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the --device-ms pair")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(args.data_dir or tmp)
@@ -188,6 +270,20 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             summary[f"host_ms_per_step_{rows}"] = row["host_ms_per_step"]
             summary[f"cpu_ms_per_step_{rows}"] = row["engine_thread_cpu_ms_per_step"]
+        if args.device_ms:
+            summary["device_ms"] = args.device_ms
+        for rows in counts if args.device_ms else []:
+            rates: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(args.rounds):  # alternated: the box's load hits both alike
+                for ahead in (False, True):
+                    dev = (args.device_ms, ahead)
+                    row = measure(tokenizer, vocab, rows, args.steps, False, args.live_readers, dev)
+                    print(json.dumps(row), flush=True)
+                    rates[ahead].append(row["steps_per_s"])
+            summary[f"steps_per_s_sync_{rows}"] = rates[False]
+            summary[f"steps_per_s_ahead_{rows}"] = rates[True]
+            ratios = [a / b for a, b in zip(rates[True], rates[False], strict=True)]
+            summary[f"ahead_over_sync_{rows}"] = [round(r, 3) for r in ratios]
         print(json.dumps(summary))
 
 
