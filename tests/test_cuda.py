@@ -19,6 +19,7 @@ from bench.random_model import write_random_model  # noqa: E402
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from engine.model.kv_cache import kv_budget_bytes  # noqa: E402
 from engine.model.loader import LoadedModel, load_model  # noqa: E402
+from engine.model.runner import ModelRunner  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 from tests.step_logits import (  # noqa: E402
     QUESTIONS,
@@ -263,6 +264,39 @@ def test_nf4_engine_serves_greedy_and_sampled_requests_on_cuda(
     finally:
         engine.check_integrity()
         engine.shutdown()
+
+
+def test_running_a_step_ahead_replies_as_step_by_step_on_cuda(
+    fp32_cuda: LoadedModel, tmp_path: Path
+) -> None:
+    """The loop launches step N+1 (its decodes fed N's picks on the device) before it reads
+    N's tokens: greedy, seeded sampled and penalized replies (those steps wait for the host),
+    with stop tokens and lengths, are the step-by-step loop's token for token."""
+    ps = encode(fp32_cuda)
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=24),
+        SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=20, seed=3),
+        SamplingParams(temperature=0, max_new_tokens=12, repetition_penalty=1.2),
+    ]
+
+    def step_by_step(*args: object) -> ModelRunner:
+        runner = ModelRunner(*args)  # type: ignore[arg-type]
+        runner.runs_ahead = False
+        return runner
+
+    replies = []
+    for factory in (ModelRunner, step_by_step):
+        settings = {"data_dir": tmp_path, "gpu_memory_utilization": 0.05}
+        engine = Engine(EngineConfig(**settings), fp32_cuda, runner=factory)  # type: ignore[arg-type]
+        try:
+            assert engine.runner.runs_ahead is (factory is ModelRunner)  # type: ignore[attr-defined]
+            handles = [engine.submit(p, params[i % 3]) for i, p in enumerate(ps)]
+            texts = [h.result() for h in handles]
+            replies.append([(t, h.token_ids, h.finish_reason) for t, h in zip(texts, handles)])
+        finally:
+            engine.check_integrity()
+            engine.shutdown()
+    assert replies[0] == replies[1]
 
 
 def test_kv_budget_comes_from_free_vram(fp32_cuda: LoadedModel, tmp_path: Path) -> None:
