@@ -291,8 +291,9 @@ def test_running_a_step_ahead_replies_as_step_by_step_on_cuda(
         try:
             assert engine.runner.runs_ahead is (factory is ModelRunner)  # type: ignore[attr-defined]
             handles = [engine.submit(p, params[i % 3]) for i, p in enumerate(ps)]
-            texts = [h.result() for h in handles]
-            replies.append([(t, h.token_ids, h.finish_reason) for t, h in zip(texts, handles)])
+            for h in handles:
+                h.result()
+            replies.append([(h.text, h.token_ids, h.finish_reason) for h in handles])
         finally:
             engine.check_integrity()
             engine.shutdown()
