@@ -193,7 +193,8 @@ def test_random_crowds_running_a_step_ahead_get_the_same_exact_replies(
     no placeholder ever reaches the model, and the accounting is exact at every step."""
     crowd = simulate(seed, requests, blocks, run_ahead=True, **settings)
     runner = crowd.engine.runner
-    assert runner.fed_steps > runner.steps // 4  # most steps ran ahead, some fell back
+    # steps ran ahead, and others (prefills, refused feeds) read the last step's tokens first
+    assert 50 <= runner.fed_steps < runner.steps
     reasons = {s.handle.finish_reason for s in crowd.sent}
     assert {FinishReason.CANCELLED, FinishReason.LENGTH, FinishReason.STOP} <= reasons
     for s in crowd.sent:

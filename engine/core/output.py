@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.core.detokenizer import IncrementalDetokenizer
@@ -89,7 +89,7 @@ class OutputProcessor:
         for seq, n in plan.prefills:
             seq.num_computed += n
             sched.cache_computed(seq)
-        self._hand_out(next_tokens.items(), now, ahead=False)
+        self._hand_out(next_tokens, now)
 
     def advance(self, plan: StepPlan, sampled: list[Sequence]) -> None:
         """Right after a step is launched whose tokens come later (run-ahead): what it
@@ -103,29 +103,43 @@ class OutputProcessor:
             seq.token_ids.append(PLACEHOLDER)
 
     def emit(self, plan: StepPlan, tokens: list[tuple[Sequence, int]], now: float) -> None:
-        """A step `advance`d earlier, its tokens read: offer the blocks it filled (their
-        tokens now known), then hand each token to its request, in its placeholder's place.
-        A request that ended meanwhile (a stop found a step before, a cancel) gets nothing."""
+        """A step `advance`d earlier, its tokens read: each takes its placeholder's place
+        (the last one, or the one before where the next step was launched too: that one's
+        placeholder goes back after), then the blocks the step filled, their tokens now known,
+        are offered. A request that ended meanwhile (a stop found a step before, a cancel)
+        gets nothing: that token is never shown."""
+        requests = self.requests
+        live: dict[Sequence, int] = {}
+        again: list[Sequence] = []  # launched once more since
+        for seq, token in tokens:
+            if seq.seq_id in requests:
+                ids = seq.token_ids
+                ids.pop()
+                if ids[-1] == PLACEHOLDER:
+                    ids.pop()
+                    again.append(seq)
+                live[seq] = token
+        self._hand_out(live, now)
         sched = self.scheduler
         bs = sched.pool.block_size
+        running = SequenceStatus.RUNNING
         for seq in plan.sequences:
-            if seq.status is SequenceStatus.RUNNING and seq.num_computed // bs > seq.num_registered:
+            if seq.status is running and seq.num_computed // bs > seq.num_registered:
                 sched.cache_computed(seq)
-        self._hand_out(tokens, now, ahead=True)
+        for seq in again:
+            if seq.status is running:
+                seq.token_ids.append(PLACEHOLDER)
 
-    def _hand_out(self, tokens: Iterable[tuple[Sequence, int]], now: float, ahead: bool) -> None:
-        """One pass a row, its work inlined: at 256 rows every call a row costs ~0.03 ms a step,
-        engine-thread time a GPU waits on. `ahead`: each token takes its sequence's first
-        placeholder (the last but one where the step after it ran too), else it is appended."""
+    def _hand_out(self, next_tokens: dict[Sequence, int], now: float) -> None:
+        """Append each token to its sequence and hand it to its request. One pass a row, its
+        work inlined: at 256 rows every call a row costs ~0.03 ms a step, engine-thread time a
+        GPU waits on."""
         itl: list[float] = []
         ttft: list[float] = []
         requests = self.requests
         ended: list[tuple[Request, FinishReason, int | None]] = []
         woken: list[RequestHandle] = []  # handles whose reader waits: woken once, after the pass
-        for seq, token in tokens:
-            req = requests.get(seq.seq_id)
-            if req is None:  # ended while its step ran: this token is never shown
-                continue
+        for seq, token in next_tokens.items():
             last = seq.last_token_at
             if last is None:
                 seq.first_token_at = now
@@ -133,14 +147,9 @@ class OutputProcessor:
             else:
                 itl.append(now - last)
             seq.last_token_at = now
+            req = requests[seq.seq_id]
             ids = seq.token_ids
-            if ahead:
-                at = len(ids) - 2 if ids[-2] == PLACEHOLDER else len(ids) - 1
-                ids[at] = token
-                length = at + 1
-            else:
-                ids.append(token)
-                length = len(ids)
+            ids.append(token)
             if token in req.stops:  # joins the handle's ids at the end, with no text
                 ended.append((req, FinishReason.STOP, token))
                 continue
@@ -155,7 +164,7 @@ class OutputProcessor:
                 if detok.stopped:
                     ended.append((req, FinishReason.STOP, None))
                     continue
-            if length >= req.end:  # max_new_tokens generated, or the model's length
+            if len(ids) >= req.end:  # max_new_tokens generated, or the model's length
                 ended.append((req, FinishReason.LENGTH, None))
         for handle in woken:
             handle.wake_reader()
@@ -191,8 +200,9 @@ class OutputProcessor:
         ids = seq.token_ids
         if ids and ids[-1] == PLACEHOLDER:  # steps launched after its end: never shown
             del ids[ids.index(PLACEHOLDER) :]
-            # what a step at a time would have computed: all but its last token
-            seq.num_computed = min(seq.num_computed, len(ids) - 1)
+        # run-ahead counts the step launched after its last token: keep what a step at a time
+        # computes, all but the last token (a no-op there)
+        seq.num_computed = min(seq.num_computed, len(ids) - 1)
         if seq.status is not SequenceStatus.FINISHED:
             if not req.admitted:
                 req.admitted = True
