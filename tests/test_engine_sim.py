@@ -223,3 +223,28 @@ def test_the_resident_prefix_is_reused_by_the_owner_only() -> None:
         engine.check_integrity()
     finally:
         engine.shutdown()
+
+
+def test_a_step_ahead_leaves_the_same_resident_kv_as_a_step_at_a_time() -> None:
+    """A reply that ends (by its length, by a stop token) while the step after its last token
+    already runs: the owner's resident KV is what a step at a time leaves (all but the last
+    token), not the step launched past the end, and no placeholder stays in it."""
+    prompts = [list(range(3, 40)), list(range(50, 71))]
+    kept = []
+    for run_ahead in (False, True):
+        engine, runner = fake_engine(32, run_ahead=run_ahead)
+        try:
+            for i, prompt in enumerate(prompts):
+                # a long one ends on its first stop token, a short one on its length
+                params = SamplingParams(temperature=0, max_new_tokens=200 if i else 5)
+                handle = engine.submit(prompt, params, owner=f"o{i}", retain=True)
+                handle.result()
+                want = expected_reply(prompt, params.max_new_tokens, engine.max_model_len)
+                assert handle.token_ids == want
+            kept.append({o: kv[:2] for o, kv in engine.resident_kv().items()})
+            engine.check_integrity()
+        finally:
+            engine.shutdown()
+        assert getattr(runner, "fed_steps", 0) > 0 or not run_ahead
+    assert kept[0] == kept[1]
+    assert kept[0]["o0"][0] == len(prompts[0]) + 5 - 1
