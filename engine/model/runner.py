@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 
 
 class StepRunner(Protocol):
-    """What the engine needs of whatever runs its steps: the model here, a fake in tests."""
+    """What the engine needs of whatever runs its steps: the model here, a fake in tests. One
+    that also has `runs_ahead` set, `feed` and `launch` (engine.model.launched.RunsAhead) is
+    run a step ahead by the loop."""
 
     stop_ids: list[int]  # token ids that end a reply (unless the request ignores EOS)
 
