@@ -201,6 +201,7 @@ def ratio(a, b):
 
 tp, eager = s.get("throughput", {}), s.get("throughput_eager", {})
 s["cuda_graphs_captured"] = tp.get("cuda_graphs_captured")  # 0 or None: the figures are eager
+s["runs_ahead"] = tp.get("runs_ahead")  # False or None: every step waited for its tokens
 http, hf = s.get("http", {}), s.get("hf_generate", {})
 s["ratios"] = {  # the targets, each from this run
     "graphs_over_eager_1_user": ratio(tp.get("users_1_tokens_per_s"), eager.get("users_1_tokens_per_s")),

@@ -140,6 +140,7 @@ def main() -> None:
     graphs = {  # in every row: whether the figures are graph replays or eager steps
         "cuda_graphs_captured": stats.cuda_graphs,
         "cuda_graphs_mb": round(stats.graph_bytes / 2**20, 1),
+        "runs_ahead": stats.runs_ahead,  # step N+1 launched before N's tokens are read
         **({"cuda_graph_error": stats.cuda_graph_error} if stats.cuda_graph_error else {}),
     }
     engine_start_s = round(time.perf_counter() - t0, 2)  # the pool, and capture on CUDA

@@ -119,6 +119,7 @@ class EngineStats:
     graph_bytes: int = 0  # device memory the captured CUDA graphs keep (engine.model.static_decode)
     cuda_graphs: int = 0  # decode buckets captured as CUDA graphs (0: every step eager)
     cuda_graph_error: str | None = None  # why capture failed, where it did (then eager)
+    runs_ahead: bool = False  # steps launched before the last one's tokens are read (CUDA)
 
 
 def percentile(samples: deque[float], q: float) -> float | None:

@@ -243,6 +243,7 @@ def test_a_step_ahead_leaves_the_same_resident_kv_as_a_step_at_a_time() -> None:
                 assert handle.token_ids == want
             kept.append({o: kv[:2] for o, kv in engine.resident_kv().items()})
             engine.check_integrity()
+            assert engine.stats().runs_ahead is run_ahead  # said in the stats and the benches
         finally:
             engine.shutdown()
         assert getattr(runner, "fed_steps", 0) > 0 or not run_ahead

@@ -250,6 +250,7 @@ class Engine(ResidentKVCalls, EngineLoop, ConfigFacts):
                 graph_bytes=getattr(self.runner, "graph_bytes", 0),
                 cuda_graphs=getattr(self.runner, "graphs_captured", 0),
                 cuda_graph_error=getattr(self.runner, "graph_error", None),
+                runs_ahead=getattr(self.runner, "runs_ahead", False),
             )
 
     def queue_position(self, handle: RequestHandle) -> int | None:
