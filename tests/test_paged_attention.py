@@ -1,7 +1,7 @@
 """Decode attention on the CPU reads each sequence's own blocks (engine.kernels.cpu_kernels); where
 it gathers instead (CUDA, no kernel) it groups decodes by context length, so one long conversation
 costs its own context. Either way the logits change by rounding only. A short prefill chunk after
-cached tokens attends on the CPU kernel too, as its gather path to rounding."""
+cached tokens attends on the CPU kernel too (every chunk there), as its gather path to rounding."""
 
 from __future__ import annotations
 
@@ -109,12 +109,12 @@ def test_fp32_decode_logits_agree_between_the_kernel_the_gather_paths_and_solo_r
     engine.check_integrity()
 
 
-@pytest.mark.parametrize("chunk", [1, 23, model_runner.PREFILL_KERNEL_TOKENS])
+@pytest.mark.parametrize("chunk", [1, 23, 150])
 def test_fp32_a_chunk_after_cached_tokens_agrees_on_the_kernel_and_the_gather(
     fp32_model: LoadedModel, tmp_path: Path, chunk: int
 ) -> None:
     """A returning user's message: a chunk prefilled after ~1,500 cached tokens attends on the
-    CPU kernel (`paged_prefills_attention`) up to PREFILL_KERNEL_TOKENS tokens; its logits agree
+    CPU kernel (`paged_prefills_attention`), whatever its size; its logits agree
     with the gather and SDPA path in argmax and to rounding, and so does the K/V it leaves."""
     rng = random.Random(chunk)
     toks = [rng.randrange(100, 40000) for _ in range(1500 + chunk)]
@@ -129,12 +129,13 @@ def test_fp32_a_chunk_after_cached_tokens_agrees_on_the_kernel_and_the_gather(
         return kernel(*args)
 
     def run(attend: object) -> tuple[torch.Tensor, torch.Tensor]:
-        runner.prefills_kernel = attend
         s = Sequence(list(toks), GREEDY)
         s.block_table = engine.pool.allocate(engine.pool.blocks_for(s.num_tokens))
         try:
+            runner.prefills_kernel = kernel  # the same cached K/V for both
             runner.forward(StepPlan(prefills=[(s, 1500)]))
             s.num_computed = 1500
+            runner.prefills_kernel = attend
             logits = runner.forward(StepPlan(prefills=[(s, chunk)])).float()
             return logits, engine.cache.export(s.block_table, s.num_tokens)[0]
         finally:
@@ -152,14 +153,13 @@ def test_fp32_a_chunk_after_cached_tokens_agrees_on_the_kernel_and_the_gather(
     engine.check_integrity()
 
 
-def test_fp32_a_steps_short_chunks_share_one_kernel_call_bitwise_each_alone(
+def test_fp32_a_steps_chunks_share_one_kernel_call_bitwise_each_alone(
     fp32_model: LoadedModel, tmp_path: Path
 ) -> None:
-    """New prompts and messages after cached tokens of up to PREFILL_KERNEL_TOKENS tokens, in
-    random mixes with longer prompts between them: each run of short chunks is one
-    `paged_prefills_attention` call a layer (whose values are bitwise each chunk's alone:
-    tests/test_cpu_kernels.py); the logits agree with each chunk prefilled alone and with the
-    SDPA path in argmax and to rounding."""
+    """New prompts and messages after cached tokens, short and long, in random mixes: all of
+    a step's chunks are one `paged_prefills_attention` call a layer (whose values are bitwise
+    each chunk's alone: tests/test_cpu_kernels.py); the logits agree with each chunk
+    prefilled alone and with the SDPA path in argmax and to rounding."""
     engine = make_engine(fp32_model, tmp_path, kv_budget_mb=512)
     engine.shutdown()
     runner, rng = engine.runner, random.Random(9)
@@ -199,9 +199,7 @@ def test_fp32_a_steps_short_chunks_share_one_kernel_call_bitwise_each_alone(
             chunks.append(([rng.randrange(100, 40000) for _ in range(cached + n)], cached, n))
         calls.clear()
         together = step(chunks, counted).float()
-        short = [n <= model_runner.PREFILL_KERNEL_TOKENS for *_, n in chunks]
-        runs = sum(1 for i, s in enumerate(short) if s and (i == 0 or not short[i - 1]))
-        assert len(calls) == runs * fp32_model.num_layers, (trial, calls)
+        assert calls == [len(chunks)] * fp32_model.num_layers, (trial, calls)
         alone = torch.cat([step([c]).float() for c in chunks])
         sdpa = step(chunks, None).float()
         for other in (alone, sdpa):  # (float32 matmuls round by their batch's shape)

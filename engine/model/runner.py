@@ -47,10 +47,18 @@ RunnerFactory = Callable[[LoadedModel, KVCache, int], StepRunner]
 # padding it saves.
 MAX_PAD_SHARE = 0.25
 MIN_SPLIT_WASTE = 256
-# A prefill chunk of up to this many tokens attends on the kernel (on the CPU all of a step's
-# such chunks in one call a layer, `paged_prefills_attention`; on CUDA a chunk after cached
-# tokens); a longer one takes SDPA, over its context gathered after cached tokens. Zen 5 EPYC,
-# 2 cores, bf16 pool, one layer: 15 tokens after 2,000 0.47-0.52 ms against SDPA's 0.91-2.4;
+# On the CPU every prefill chunk attends on crowdchat's kernel, whatever its size, all of a
+# step's chunks in one call a layer (`paged_prefills_attention`): each query is bitwise its
+# token's decode, so a token's K/V and logits depend neither on how the scheduler cut its
+# prompt nor on the step's other rows (tests/test_prompt_cuts.py). With SDPA above 64 (or 256)
+# tokens, a prompt from nothing and the same prompt after the shared system prompt's cached
+# blocks left different K/V, and two users sent the same message got different replies
+# (tests/test_crash.py). Whole prefill steps, SDPA against the kernel, loaded 2-core AVX2 EPYC
+# (load 2.5-4.6, 3 alternating rounds): 512 fresh tokens 3.2-5.1 s against 3.1-5.5, 256 after
+# 800 3.6-4.3 against 3.6-4.6, 512 after 4,000 11.9-13.1 against 10.5-12.4.
+# On CUDA a chunk after cached tokens of up to this many tokens takes the Triton kernel, a
+# longer one SDPA over its context gathered, a fresh one SDPA. Zen 5 EPYC, 2 cores, bf16 pool,
+# one layer, the CPU kernel against SDPA: 15 tokens after 2,000 0.47-0.52 ms against 0.91-2.4;
 # 64 after 2,000 1.9-2.2 against 2.6-2.8; 128 after 500 1.9-2.2 against 1.5-1.6.
 PREFILL_KERNEL_TOKENS = 64
 # A CPU step of up to this many rows (decodes plus prefill tokens) runs on the engine thread
@@ -236,16 +244,14 @@ class ModelRunner:
             groups.append(DecodeGroup(lo, hi, table.to(dev), pad))
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         prefills = []
-        runs: list[list[tuple[int, int, int, list[int]]]] = [[]]  # grouped chunks, in runs
+        grouped: list[tuple[int, int, int, list[int]]] = []  # the CPU kernel's: every chunk
         for seq, n in plan.prefills:
             start, p0 = len(ids), seq.num_computed
             ids += seq.token_ids[p0 : p0 + n]
             pos += range(p0, p0 + n)
             slot_parts.append(cache.slots(seq.block_table, p0, p0 + n).cpu())
-            if runs[-1] and n > PREFILL_KERNEL_TOKENS:  # the next grouped chunks: a new run
-                runs.append([])
-            if self.prefills_kernel is not None and n <= PREFILL_KERNEL_TOKENS:
-                runs[-1].append((start, p0, n, seq.block_table[: -(-(p0 + n) // bs)]))
+            if self.prefills_kernel is not None:  # any size: see PREFILL_KERNEL_TOKENS
+                grouped.append((start, p0, n, seq.block_table[: -(-(p0 + n) // bs)]))
                 prefills.append(PrefillChunk(start, start + n, None, None, grouped=True))
             elif p0 == 0:
                 prefills.append(PrefillChunk(start, start + n, None, None))
@@ -276,7 +282,7 @@ class ModelRunner:
         meta = StepMetadata(
             row_tables=row_tables,
             prefills_kernel=self.prefills_kernel,
-            prefill_groups=[prefill_group(run, dev) for run in runs if run],
+            prefill_groups=[prefill_group(grouped, dev)] if grouped else [],
             k_cache=cache.k,
             v_cache=cache.v,
             slot_mapping=torch.cat(slot_parts).to(dev),
@@ -389,17 +395,15 @@ class ModelRunner:
 
     def _stacks_prompt(self, plan: StepPlan) -> bool:
         """Whether a CPU step with prompt tokens runs as one `crowdchat::prompt_stack` call
-        (`LeanLlama._prompt_stack`): on the int8-activation kernels, where every chunk takes
-        the prefill kernel (whose queries are bitwise the decode kernel's: the values do not
-        depend on the choice, nor on the batch) and its attention reads fewer than
+        (`LeanLlama._prompt_stack`): on the int8-activation kernels (where every chunk takes
+        the prefill kernel, whose queries are bitwise the decode kernel's: the values do not
+        depend on the choice, nor on the batch) where its attention reads fewer than
         `PROMPT_STACK_PAIRS` (query, key) pairs (each token reads its whole context alone,
         where the prefill kernel shares each block among 16 tokens)."""
         if not plan.prefills or self.prefills_kernel is None or self.lean is None:
             return False
         if not getattr(self.lean, "prompt_stacks", False):
             return False
-        if any(n > PREFILL_KERNEL_TOKENS for _, n in plan.prefills):
-            return False  # SDPA's values, not the kernel's: the loop keeps them
         rows = len(plan.decodes) + sum(n for _, n in plan.prefills)
         fits = 0 < rows <= self.lean.prompt_stack_rows()
         return fits and _pairs(plan) < PROMPT_STACK_PAIRS
