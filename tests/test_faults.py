@@ -155,8 +155,9 @@ def test_a_full_disk_backs_off_per_session_and_recovers_once_space_is_freed(
         assert [p.name for p in full_disk.iterdir()] == ["filler"]  # no temp files left
         (full_disk / "filler").unlink()
         deadline = time.monotonic() + 10
+        # written (its status cleared, its snapshot recorded), then its blocks freed: wait for both
         while time.monotonic() < deadline and any(
-            sm.offload.persist_status(s) is not None for s in sids
+            sm.offload.persist_status(s) is not None or s in engine.resident_kv() for s in sids
         ):
             time.sleep(0.1)
         for i, sid in enumerate(sids):
