@@ -182,25 +182,33 @@ class EngineLoop:
         if next_tokens is None:
             return
         ms = (time.perf_counter() - t0) * 1000
-        self.budget.record(plan, ms)
         now = time.monotonic()
         self.output.process(plan, next_tokens, now)
-        self.metrics.record_step(
-            now,
-            ms,
-            len(plan.decodes) + len(plan.prefills),
-            len(next_tokens),
-            sum(n for _, n in plan.prefills),
-        )
+        self._record(plan, ms, now, len(next_tokens))
 
     def _run(self, plan: StepPlan) -> dict[Sequence, int] | None:
         """The runner's next tokens, or None when the step failed (and with it its requests)."""
         try:
             return self.runner.run(plan)
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
-            log.exception("model step failed; failing its %d requests", len(plan.sequences))
-            self.output.fail(plan.sequences, f"generation failed: {e}")
+            self._failed(plan, e)
             return None
+
+    def _failed(self, plan: StepPlan, e: Exception) -> None:
+        """A step that raised: its requests fail, everyone else is served on."""
+        log.exception("model step failed; failing its %d requests", len(plan.sequences))
+        self.output.fail(plan.sequences, f"generation failed: {e}")
+
+    def _record(self, plan: StepPlan, ms: float, now: float, sampled: int) -> None:
+        """A processed step's time, for the token budget's fit and the metrics."""
+        self.budget.record(plan, ms)
+        self.metrics.record_step(
+            now,
+            ms,
+            len(plan.decodes) + len(plan.prefills),
+            sampled,
+            sum(n for _, n in plan.prefills),
+        )
 
     def _launch(self, plan: StepPlan, feed: object | None) -> None:
         """Start `plan` on the device and count it as computed; its tokens are read at the next
@@ -210,11 +218,10 @@ class EngineLoop:
         try:
             tokens = self.runner.launch(plan, feed)  # type: ignore[attr-defined]
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
-            log.exception("model step failed; failing its %d requests", len(plan.sequences))
             ahead, self._ahead = self._ahead, None
             if ahead is not None:
                 self._land(ahead)
-            self.output.fail(plan.sequences, f"generation failed: {e}")
+            self._failed(plan, e)
             return
         self.output.advance(plan, tokens.sampled)
         self._ahead = Ahead(plan, tokens, t0)
@@ -225,24 +232,16 @@ class EngineLoop:
         try:
             ids = ahead.tokens.tokens()
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
-            log.exception("model step failed; failing its %d requests", len(plan.sequences))
-            self.output.fail(plan.sequences, f"generation failed: {e}")
+            self._failed(plan, e)
             return
         now = time.monotonic()
         # the step's period as a user sees it: from the last step's tokens to its own
         end = time.perf_counter()
         ms = (end - max(ahead.t0, self._landed_at)) * 1000
         self._landed_at = end
-        self.budget.record(plan, ms)
         sampled = ahead.tokens.sampled
         self.output.emit(plan, list(zip(sampled, ids, strict=True)), now)
-        self.metrics.record_step(
-            now,
-            ms,
-            len(plan.decodes) + len(plan.prefills),
-            len(sampled),
-            sum(n for _, n in plan.prefills),
-        )
+        self._record(plan, ms, now, len(sampled))
 
     def _publish(self) -> None:
         sched = self.scheduler
